@@ -1,0 +1,41 @@
+"""Shared fixtures. Real data lives in ../shared/data (see its README); tests that need it skip
+when it is absent, except under CI (CI=true), where a missing data folder is a failure."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("VITLAB_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def _need(path: Path) -> Path:
+    if path.exists():
+        return path
+    msg = f"real test data missing: {path} (set VITLAB_SHARED_DATA to the folder holding cifar10-subset/)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def cifar_subset() -> Path:
+    """ImageFolder tree: train/<class>/*.png (500 per class), val/<class>/*.png (100 per class)."""
+    return _need(SHARED_DATA / "cifar10-subset")
+
+
+@pytest.fixture(scope="session")
+def cifar_shards() -> Path:
+    """The whole CIFAR-10 train split as 10 webdataset shards of 5,000 samples each."""
+    return _need(SHARED_DATA / "cifar10-train-shards")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

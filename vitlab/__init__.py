@@ -1,0 +1,7 @@
+"""vitlab: pretrain a Vision Transformer, then fine-tune it at a higher resolution."""
+
+from vitlab.models import VisionTransformer, create_model, list_models, resample_pos_embed
+
+__version__ = "0.1.0"
+
+__all__ = ["VisionTransformer", "create_model", "list_models", "resample_pos_embed"]

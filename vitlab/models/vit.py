@@ -1,0 +1,442 @@
+"""The Vision Transformer of arXiv 2010.11929, in one file.
+
+Module and parameter names follow timm (`patch_embed`, `cls_token`, `pos_embed`, `blocks`, `norm`,
+`head`) so state dicts and habits carry over. Besides the paper's model it carries the small-data
+options vitlab's CPU recipes use, each a flag: a convolutional tokenizer (the paper's hybrid,
+CCT arXiv 2104.05704), shifted patch tokenization and locality self-attention (arXiv 2112.13492),
+and sequence pooling (CCT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.utils.checkpoint import checkpoint
+
+from vitlab.models.resize import resample_pos_embed, to_2tuple
+
+Pool = Literal["token", "avg", "seq"]
+PosEmbed = Literal["learn", "sincos"]
+Stem = Literal["patch", "conv", "spt"]
+
+IMAGENET_INCEPTION_MEAN = (0.5, 0.5, 0.5)
+IMAGENET_INCEPTION_STD = (0.5, 0.5, 0.5)
+
+
+def sincos_pos_embed_2d(grid: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 2D sin-cos position embedding `[h*w, dim]` (big_vision's `posemb_sincos_2d`)."""
+    if dim % 4:
+        raise ValueError(f"embed_dim={dim} must be a multiple of 4 for the 2D sin-cos position embedding")
+    h, w = grid
+    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    omega = 1.0 / temperature ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4 - 1 or 1))
+    y = y.flatten()[:, None] * omega[None, :]
+    x = x.flatten()[:, None] * omega[None, :]
+    return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1)
+
+
+class PatchEmbed(nn.Module):
+    """Image -> tokens. `patch_size` is the tokenizer's total stride for every stem.
+
+    - `patch`: the paper's strided conv (a linear map of flattened patches).
+    - `conv`: convolutional tokenizer, log2(patch_size) stages of conv3x3-ReLU-maxpool (CCT).
+    - `spt`: shifted patch tokenization, the image and its four half-patch diagonal shifts
+      concatenated, then patches flattened, LayerNorm and a linear map (arXiv 2112.13492).
+    """
+
+    def __init__(
+        self,
+        img_size: tuple[int, int],
+        patch_size: int,
+        in_chans: int,
+        embed_dim: int,
+        stem: Stem = "patch",
+        stem_channels: int = 64,
+    ) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.in_chans = in_chans
+        self.stem = stem
+        self.set_grid(img_size)
+        if stem == "patch":
+            self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        elif stem == "conv":
+            stages = int(math.log2(patch_size))
+            if 2**stages != patch_size or stages < 1:
+                raise ValueError(f"stem='conv' needs a power-of-two patch_size >= 2 (got {patch_size})")
+            chans = [in_chans] + [stem_channels] * (stages - 1) + [embed_dim]
+            self.convs = nn.Sequential(
+                *[
+                    nn.Sequential(
+                        nn.Conv2d(chans[i], chans[i + 1], 3, padding=1, bias=False),
+                        nn.ReLU(inplace=True),
+                        nn.MaxPool2d(3, stride=2, padding=1),
+                    )
+                    for i in range(stages)
+                ]
+            )
+        elif stem == "spt":
+            patch_dim = 5 * in_chans * patch_size * patch_size
+            self.norm = nn.LayerNorm(patch_dim)
+            self.proj = nn.Linear(patch_dim, embed_dim)
+        else:
+            raise ValueError(f"unknown stem {stem!r}; choose 'patch', 'conv' or 'spt'")
+
+    def set_grid(self, img_size: tuple[int, int]) -> None:
+        h, w = img_size
+        p = self.patch_size
+        if h % p or w % p:
+            raise ValueError(
+                f"img_size {h}x{w} is not a multiple of patch_size {p}; "
+                f"use e.g. {max(p, h // p * p)}x{max(p, w // p * p)} or {-(-h // p) * p}x{-(-w // p) * p}"
+            )
+        self.img_size = (h, w)
+        self.grid_size = (h // p, w // p)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.ndim != 4:
+            raise ValueError(f"expected a batch of images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
+        _, c, h, w = x.shape
+        if c != self.in_chans:
+            raise ValueError(
+                f"image has {c} channels but the model expects in_chans={self.in_chans}; "
+                f"convert the images (e.g. to RGB) or build the model with in_chans={c}"
+            )
+        p = self.patch_size
+        if h % p or w % p:
+            raise ValueError(
+                f"image size {h}x{w} is not a multiple of the patch size {p}; "
+                f"resize or crop to a multiple of {p}, e.g. {max(p, h // p * p)}x{max(p, w // p * p)}"
+            )
+        if (h, w) != self.img_size:
+            raise ValueError(
+                f"image size {h}x{w} differs from the model's img_size {self.img_size[0]}x{self.img_size[1]}; "
+                f"resize the images, or call model.set_image_size(({h}, {w})) to resample the position embeddings"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        if self.stem == "patch":
+            return self.proj(x).flatten(2).transpose(1, 2)
+        if self.stem == "conv":
+            return self.convs(x).flatten(2).transpose(1, 2)
+        s, (h, w) = self.patch_size // 2, x.shape[-2:]
+        padded = F.pad(x, (s, s, s, s))
+        shifts = [padded[..., s + dy : s + dy + h, s + dx : s + dx + w] for dy, dx in ((-s, -s), (-s, s), (s, -s), (s, s))]
+        x = torch.cat([x, *shifts], dim=1)
+        x = rearrange(x, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=self.patch_size, p2=self.patch_size)
+        return self.proj(self.norm(x))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection, through `scaled_dot_product_attention`.
+
+    `lsa=True` gives locality self-attention: a learnable temperature and no attention to self.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        lsa: bool = False,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.lsa = lsa
+        if lsa:
+            self.log_scale = nn.Parameter(torch.tensor(math.log(self.scale)))
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
+        scale, mask = self.scale, None
+        if self.lsa:
+            q, scale = q * self.log_scale.exp(), 1.0
+            n = x.shape[1]
+            mask = ~torch.eye(n, dtype=torch.bool, device=x.device)
+        attn = None
+        if return_attn:  # explicit path, only for analysis: hands back the probabilities
+            logits = (q * scale) @ k.transpose(-2, -1)
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            attn = logits.softmax(dim=-1)
+            out = F.dropout(attn, self.attn_drop, self.training) @ v
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0, scale=scale
+            )
+        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+        return out, attn
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        norm_eps: float = 1e-6,
+        lsa: bool = False,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, lsa)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x))[0])
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+    def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, attn = self.attn(self.norm1(x), return_attn=True)
+        x = x + self.drop_path1(y)
+        return x + self.drop_path2(self.mlp(self.norm2(x))), attn
+
+
+class VisionTransformer(nn.Module):
+    """ViT: tokenizer -> [class token] + position embedding -> pre-norm blocks -> norm -> pool -> head.
+
+    `config` holds the constructor arguments as plain data (what `save_pretrained` writes);
+    `data_config` the preprocessing the weights expect (what `eval_transform` builds).
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        class_token: bool = True,
+        pool: Pool = "token",
+        pos_embed: PosEmbed = "learn",
+        representation_size: int | None = None,
+        norm_eps: float = 1e-6,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        stem: Stem = "patch",
+        stem_channels: int = 64,
+        lsa: bool = False,
+    ) -> None:
+        super().__init__()
+        img_size = to_2tuple(img_size)
+        if pool not in ("token", "avg", "seq"):
+            raise ValueError(f"unknown pool {pool!r}; choose 'token' (class token), 'avg' (GAP) or 'seq'")
+        if pool == "token" and not class_token:
+            raise ValueError("pool='token' needs class_token=True; use pool='avg' or 'seq' without a class token")
+        if pos_embed not in ("learn", "sincos"):
+            raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' or 'sincos'")
+        self.config: dict[str, Any] = dict(
+            img_size=list(img_size), patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+            embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            class_token=class_token, pool=pool, pos_embed=pos_embed, representation_size=representation_size,
+            norm_eps=norm_eps, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
+            stem=stem, stem_channels=stem_channels, lsa=lsa,
+        )  # fmt: skip
+        self.data_config: dict[str, Any] = dict(
+            img_size=list(img_size), mean=list(IMAGENET_INCEPTION_MEAN), std=list(IMAGENET_INCEPTION_STD),
+            interpolation="bicubic", crop_pct=0.9, class_names=None,
+        )  # fmt: skip
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.pool = pool
+        self.num_prefix_tokens = 1 if class_token else 0
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, stem, stem_channels)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        num_pos = self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, embed_dim), requires_grad=pos_embed == "learn")
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
+        self.blocks = nn.Sequential(
+            *[
+                Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, lsa)
+                for i in range(depth)
+            ]
+        )
+        # GAP models normalise after pooling, as timm's `fc_norm` (and big_vision) do.
+        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps) if pool != "avg" else nn.Identity()
+        self.fc_norm = nn.LayerNorm(embed_dim, eps=norm_eps) if pool == "avg" else nn.Identity()
+        self.attn_pool = nn.Linear(embed_dim, 1) if pool == "seq" else None
+        if representation_size:
+            self.pre_logits = nn.Sequential()
+            self.pre_logits.add_module("fc", nn.Linear(embed_dim, representation_size))
+            self.pre_logits.add_module("act", nn.Tanh())
+        else:
+            self.pre_logits = nn.Identity()
+        self.head = nn.Linear(representation_size or embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if self.patch_embed.stem == "patch":  # lecun-normal, as the paper's Flax code
+            w = self.patch_embed.proj.weight
+            nn.init.trunc_normal_(w, std=math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
+            nn.init.zeros_(self.patch_embed.proj.bias)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        self._init_pos_embed()
+
+    def _init_pos_embed(self) -> None:
+        with torch.no_grad():
+            if self.config["pos_embed"] == "sincos":
+                self.pos_embed.zero_()
+                grid = sincos_pos_embed_2d(self.patch_embed.grid_size, self.embed_dim)
+                self.pos_embed[0, self.num_prefix_tokens :].copy_(grid)
+            else:
+                nn.init.trunc_normal_(self.pos_embed, std=0.02)
+
+    # ---- the model -------------------------------------------------------------------------------
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.pos_drop(x + self.pos_embed)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images `[B, C, H, W]` -> all tokens after the final norm `[B, prefix + h*w, D]`."""
+        x = self.embed(x)
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            for blk in self.blocks:
+                x = checkpoint(blk, x, use_reentrant=False)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def pool_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pool == "token":
+            return x[:, 0]
+        if self.pool == "avg":
+            return x[:, self.num_prefix_tokens :].mean(dim=1)
+        weights = self.attn_pool(x).softmax(dim=1)  # sequence pooling: learned weights over tokens
+        return (weights.transpose(1, 2) @ x).squeeze(1)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens from `forward_features` -> logits (or the pooled representation)."""
+        x = self.pre_logits(self.fc_norm(self.pool_tokens(x)))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    @torch.no_grad()
+    def forward_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and the attention probabilities of every block, `[depth, B, heads, N, N]`."""
+        x = self.embed(x)
+        maps = []
+        for blk in self.blocks:
+            x, attn = blk.forward_with_attn(x)
+            maps.append(attn)
+        return self.forward_head(self.norm(x)), torch.stack(maps)
+
+    # ---- fine-tuning -----------------------------------------------------------------------------
+
+    def set_image_size(self, img_size: int | tuple[int, int], **resample_kwargs: Any) -> None:
+        """Resample the position embeddings to a new input size, in place (the fine-tune core)."""
+        img_size = to_2tuple(img_size)
+        old_grid = self.patch_embed.grid_size
+        self.patch_embed.set_grid(img_size)
+        self.config["img_size"] = list(img_size)
+        self.data_config["img_size"] = list(img_size)
+        if self.patch_embed.grid_size == old_grid:
+            return
+        if self.config["pos_embed"] == "sincos":
+            self.pos_embed = nn.Parameter(self.pos_embed.new_zeros(1, self._num_pos(), self.embed_dim), False)
+            self._init_pos_embed()
+            return
+        new = resample_pos_embed(
+            self.pos_embed.detach(), self.patch_embed.grid_size, old_grid=old_grid,
+            num_prefix_tokens=self.num_prefix_tokens, **resample_kwargs,
+        )  # fmt: skip
+        self.pos_embed = nn.Parameter(new)
+
+    def reset_head(self, num_classes: int) -> None:
+        """Swap in a zero-initialised linear head and drop the pre-logits layer (paper, section 3.2)."""
+        self.pre_logits = nn.Identity()
+        self.config["representation_size"] = None
+        self.config["num_classes"] = num_classes
+        self.num_classes = num_classes
+        device = self.pos_embed.device
+        if num_classes > 0:
+            self.head = nn.Linear(self.embed_dim, num_classes, device=device)
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+        else:
+            self.head = nn.Identity()
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names kept out of weight decay besides norms and biases."""
+        return {"pos_embed", "cls_token"}
+
+    def _num_pos(self) -> int:
+        return self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
