@@ -1,0 +1,303 @@
+"""`ViTClassifier`: the LightningModule that pretrains and fine-tunes a vitlab ViT.
+
+The model is built in `__init__`, not `configure_model`: the checkpoint's `state_dict` then loads
+straight into a freshly constructed module (`Trainer.fit(ckpt_path=...)`, `load_from_checkpoint`),
+and callbacks that copy the module at setup (EMA) see the whole model. vitlab's models fit in host
+memory, and FSDP wraps layers that already exist, so nothing needs deferred construction;
+`configure_model` only applies `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from vitlab.models import VisionTransformer, create_model
+from vitlab.models.variants import variant_config
+from vitlab.train.callbacks import PerfMonitor, RateMeter, batch_images
+from vitlab.train.optim import build_optimizer
+from vitlab.train.schedule import build_scheduler
+
+_COMPILE_PREFIX = "_orig_mod."
+
+
+def _plain(obj: Any) -> Any:
+    """JSON round trip: plain dicts/lists/numbers/strings only, so `torch.load(weights_only=True)` reads it."""
+    return json.loads(json.dumps(obj))
+
+
+def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if not isinstance(batch, Sequence) or len(batch) < 2:
+        raise TypeError("expected a batch of (images, targets)")
+    return batch[0], batch[1]
+
+
+def _grid(config: Mapping[str, Any]) -> list[int]:
+    h, w = config["img_size"] if isinstance(config["img_size"], Sequence) else (config["img_size"],) * 2
+    return [h // config["patch_size"], w // config["patch_size"]]
+
+
+def _peek_source_config(path: str) -> dict[str, Any] | None:
+    """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), for the
+    init log; None for formats that record none (timm, HF, torchvision, .npz)."""
+    p = Path(path)
+    sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json") if p.suffix == ".safetensors" else None
+    try:
+        if sidecar is not None and sidecar.is_file():
+            meta = json.loads(sidecar.read_text())
+            return dict(meta["model"]) if meta.get("format") == "vitlab" else None
+        if p.suffix == ".ckpt" and p.is_file():  # mmap: only the small metadata is actually read
+            return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["vitlab"]["model_config"])
+    except Exception:  # noqa: BLE001 - this only feeds a log line
+        return None
+    return None
+
+
+class ViTClassifier(L.LightningModule):
+    """Image classification with a vitlab ViT: cross-entropy (label smoothing, soft targets),
+    AdamW/SGD with weight-decay groups and optional layer-wise LR decay, warm-up + cosine/linear
+    per-step schedule, micro-averaged top-1/top-5 accuracy.
+
+    Every argument is plain data, so the hyperparameters in a checkpoint load with
+    `torch.load(weights_only=True)`. `num_classes`, `img_size` and `data_config` are meant to be
+    linked from the data by the CLI. `init_from` initialises the weights from a pretrained source
+    (resampled position embeddings, new zero-initialised head); it is not a resume.
+    """
+
+    # Read by `vitlab.train.callbacks.EMA`: no `configure_model` call is needed to see all layers.
+    builds_model_in_init = True
+
+    def __init__(
+        self,
+        arch: str = "vit_tiny_patch16",
+        model_args: dict[str, Any] | None = None,
+        num_classes: int | None = None,
+        img_size: int | None = None,
+        init_from: str | None = None,
+        optimizer: Literal["adamw", "sgd"] = "adamw",
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        momentum: float = 0.9,
+        warmup_steps: int | float = 0,
+        schedule: Literal["cosine", "linear", "constant"] = "cosine",
+        min_lr_ratio: float = 0.0,
+        layer_decay: float | None = None,
+        label_smoothing: float = 0.0,
+        grad_checkpointing: bool = False,
+        compile: bool = False,
+        class_names: list[str] | None = None,
+        data_config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        # Fail on a typo now, not after the data is set up.
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose 'adamw' or 'sgd'")
+        if schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"unknown schedule {schedule!r}; choose 'cosine', 'linear' or 'constant'")
+        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must lie in (0, 1] (got {layer_decay})")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1) (got {label_smoothing})")
+        self.save_hyperparameters()
+
+        self.model = self._build_model()
+        nc = self.model.num_classes
+        if nc < 2:
+            raise ValueError(f"a classifier needs num_classes >= 2 (got {nc})")
+        if class_names is not None and len(class_names) != nc:
+            raise ValueError(f"{len(class_names)} class_names for {nc} classes")
+        top5 = 5 if nc > 5 else nc
+        # average="micro": plain fraction of correct samples (the torchmetrics default is macro).
+        self.train_loss = MeanMetric()
+        self.train_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
+        self.val_loss = MeanMetric()
+        self.val_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(nc, top_k=top5, average="micro")
+        self.test_loss = MeanMetric()
+        self.test_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
+        self.test_acc5 = MulticlassAccuracy(nc, top_k=top5, average="micro")
+
+        self._rate = RateMeter()
+        self._log_rate = True
+        self._compiled = False
+
+    # ---- model -----------------------------------------------------------------------------------
+
+    def _build_model(self) -> VisionTransformer:
+        hp = self.hparams
+        args = dict(hp.model_args or {})
+        if hp.num_classes is not None:
+            args["num_classes"] = hp.num_classes
+        if hp.img_size is not None:
+            args["img_size"] = hp.img_size
+        model = self._init_from_pretrained(hp.init_from, args) if hp.init_from else create_model(hp.arch, **args)
+        if hp.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        if hp.data_config:
+            model.data_config.update(_plain(hp.data_config))
+        if hp.class_names is not None:
+            model.data_config["class_names"] = list(hp.class_names)
+        # The model accepts one input size only; keep the preprocessing record in step with it.
+        model.data_config["img_size"] = list(model.config["img_size"])
+        return model
+
+    def _init_from_pretrained(self, path: str, args: dict[str, Any]) -> VisionTransformer:
+        from vitlab.interop import load_pretrained  # written alongside; imported only when used
+
+        source = _peek_source_config(path)
+        model = load_pretrained(path, **args)
+        if not isinstance(model, VisionTransformer):
+            raise TypeError(f"load_pretrained returned {type(model).__name__}, expected a VisionTransformer")
+        # `arch` still names the size: a mismatch is almost always a wrong path or a wrong arch.
+        expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
+        for key in ("embed_dim", "depth", "num_heads"):
+            if model.config[key] != expected[key]:
+                raise ValueError(
+                    f"init_from={path!r} holds a model with {key}={model.config[key]}, but arch="
+                    f"{self.hparams.arch!r} (with model_args) has {key}={expected[key]}; set arch to match"
+                )
+        new_grid, new_classes = _grid(model.config), model.config["num_classes"]
+        old_grid = _grid(source) if source else "not recorded"
+        old_classes = source["num_classes"] if source else "not recorded"
+        head = " (new zero-initialised head, pre-logits dropped)" if old_classes != new_classes else ""
+        rank_zero_info(
+            f"init_from {path}: position-embedding grid {old_grid} -> {new_grid}, "
+            f"classes {old_classes} -> {new_classes}{head}"
+        )
+        model.train()  # the loader hands back an eval-mode model
+        return model
+
+    def configure_model(self) -> None:
+        # In-place `Module.compile` keeps parameter names (no `_orig_mod.`) and the module identity;
+        # the flag makes the hook idempotent across fit/validate/test.
+        if self.hparams.compile and not self._compiled:
+            self.model.compile()
+            self._compiled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy with label smoothing; `target` is class indices [B] or probabilities [B, C]
+        (MixUp/CutMix); smoothing applies to both, so the collate should not smooth again."""
+        if target.ndim == 2 and target.shape != logits.shape:
+            raise ValueError(f"soft targets of shape {tuple(target.shape)} for logits {tuple(logits.shape)}")
+        return F.cross_entropy(logits.float(), target, label_smoothing=self.hparams.label_smoothing)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = _unpack(batch)
+        logits = self(x)
+        loss = self.loss(logits, y)
+        hard = y.argmax(dim=1) if y.ndim == 2 else y
+        n = x.shape[0]
+        # Per-step values under the plain names (on_step + on_epoch would rename them `_step`/`_epoch`);
+        # the epoch means come from the metric objects, which torchmetrics reduces across ranks.
+        acc1 = self.train_acc1(logits.detach(), hard)
+        self.train_loss.update(loss.detach(), n)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=n)
+        self.log("train/acc1", acc1, on_step=True, on_epoch=False, batch_size=n)
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True, batch_size=n)
+        self.log("train/acc1_epoch", self.train_acc1, on_step=False, on_epoch=True, batch_size=n)
+        if self._trainer is not None and self.trainer.optimizers:
+            lr = max(g["lr"] for g in self.trainer.optimizers[0].param_groups)
+            self.log("lr", lr, on_step=True, on_epoch=False, batch_size=n)
+        return loss
+
+    def _eval_step(self, batch: Any, stage: str) -> None:
+        x, y = _unpack(batch)
+        logits = self(x)
+        hard = y.argmax(dim=1) if y.ndim == 2 else y
+        n = x.shape[0]
+        # Evaluation loss is the plain NLL (no smoothing), comparable across recipes.
+        loss, acc1, acc5 = (getattr(self, f"{stage}_{name}") for name in ("loss", "acc1", "acc5"))
+        loss.update(F.cross_entropy(logits.float(), hard), n)
+        acc1.update(logits, hard)
+        acc5.update(logits, hard)
+        # Metric objects: torchmetrics reduces across ranks at epoch end.
+        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
+        self.log(f"{stage}/acc1", acc1, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
+        self.log(f"{stage}/acc5", acc5, on_step=False, on_epoch=True, batch_size=n)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Class probabilities [B, C]."""
+        x = batch if isinstance(batch, torch.Tensor) else _unpack(batch)[0]
+        return self(x).float().softmax(dim=-1)
+
+    # ---- throughput ------------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        # PerfMonitor, when attached, owns `train/images_per_sec`.
+        self._log_rate = not any(isinstance(cb, PerfMonitor) for cb in self.trainer.callbacks)
+        self._rate.reset()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._rate.start()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._log_rate:
+            rate = self._rate.update(batch_images(batch) * self.trainer.world_size)
+            if rate is not None:
+                self.log("train/images_per_sec", rate, on_step=True, on_epoch=False)
+
+    def on_validation_start(self) -> None:
+        self._rate.pause()  # validation time is not training time
+
+    def on_train_epoch_end(self) -> None:
+        self._rate.pause()  # nor is the gap to the next epoch
+
+    # ---- optimisation ----------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = build_optimizer(
+            self.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+            momentum=hp.momentum, layer_decay=hp.layer_decay,
+        )  # fmt: skip
+        total = self.trainer.estimated_stepping_batches
+        total = total if math.isinf(total) else int(total)
+        scheduler = build_scheduler(
+            optimizer, warmup_steps=hp.warmup_steps, total_steps=total, schedule=hp.schedule,
+            min_lr_ratio=hp.min_lr_ratio,
+        )  # fmt: skip
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs after the callbacks' hooks, so this also sees the EMA callback's swapped state_dict.
+        for key in ("state_dict", "current_model_state"):
+            if key in checkpoint:
+                checkpoint[key] = {k.replace(_COMPILE_PREFIX, ""): v for k, v in checkpoint[key].items()}
+        checkpoint["vitlab"] = {
+            "model_config": _plain(self.model.config),
+            "data_config": _plain(self.model.data_config),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Map saved `model.<name>` keys back onto a model that was wrapped by `torch.compile(model)`.
+        own = {k.replace(_COMPILE_PREFIX, ""): k for k in self.state_dict()}
+        if any(k != v for k, v in own.items()):
+            for key in ("state_dict", "current_model_state"):
+                if key in checkpoint:
+                    checkpoint[key] = {own.get(k, k): v for k, v in checkpoint[key].items()}

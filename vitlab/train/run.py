@@ -1,0 +1,88 @@
+"""What every run gets by default: loggers and checkpoints under its run folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+
+log = logging.getLogger("vitlab")
+
+WANDB_ID_KEY = "wandb_run_id"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _resumed_wandb_id(run_dir: Path, ckpt_path: str | None) -> str | None:
+    if not ckpt_path:
+        return None
+    path = checkpoint_dir(run_dir) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        return None
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return ckpt.get(WANDB_ID_KEY)
+
+
+def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
+    wandb_dir = run_dir / "wandb"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_key
+    if offline:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        log.warning(
+            "wandb: no API key found, logging offline to %s; upload later with `wandb sync %s/wandb/offline-run-*`",
+            wandb_dir, wandb_dir,
+        )  # fmt: skip
+    run_id = _resumed_wandb_id(run_dir, ckpt_path)
+    return WandbLogger(
+        save_dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "vitlab"), name=run_dir.name,
+        offline=offline, id=run_id, resume="allow" if run_id else None,
+    )  # fmt: skip
+
+
+def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None = None) -> list[Logger]:
+    """TensorBoard and CSV by default (no account, no network); wandb when asked for."""
+    run_dir = Path(run_dir)
+    loggers: list[Logger] = []
+    for name in names:
+        if name == "tensorboard":
+            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+        elif name == "csv":
+            loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        elif name == "wandb":
+            loggers.append(_wandb_logger(run_dir, ckpt_path))
+        else:
+            raise ValueError(f"unknown logger {name!r}; choose from tensorboard, csv, wandb")
+    return loggers
+
+
+class RememberWandbRun(Callback):
+    """Store the wandb run id in each checkpoint so a resumed job continues the same wandb run."""
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                checkpoint[WANDB_ID_KEY] = logger.version
+
+
+def run_callbacks(run_dir: str | Path, existing: Sequence[Callback]) -> list[Callback]:
+    """Callbacks every run needs that the recipe did not already configure."""
+    extra: list[Callback] = [RememberWandbRun()]
+    if not any(isinstance(cb, ModelCheckpoint) for cb in existing):
+        extra.append(
+            ModelCheckpoint(
+                dirpath=str(checkpoint_dir(run_dir)), filename="best-epoch{epoch:03d}", auto_insert_metric_name=False,
+                monitor="val/acc1", mode="max", save_top_k=1, save_last=True,
+            )  # fmt: skip
+        )
+    return extra
