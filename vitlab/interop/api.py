@@ -1,0 +1,121 @@
+"""`load_pretrained`: one loader for every checkpoint format vitlab reads."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitlab.interop import hf, native, npz, timm, torchvision
+from vitlab.interop.base import TIMM_RESAMPLE, Converted, build_model
+from vitlab.interop.errors import CheckpointError
+from vitlab.interop.io import RawCheckpoint, read_checkpoint
+from vitlab.models.resize import to_2tuple
+from vitlab.models.vit import VisionTransformer
+
+_CONSTRUCTOR_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
+# Keys under which training scripts nest the state dict (timm: `model`, `state_dict`).
+_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
+_KNOWN_LAYOUTS = (
+    "vitlab/timm (`patch_embed.proj.weight`, `blocks.N.*`), HF transformers "
+    "(`[vit.]embeddings.patch_embeddings.projection.weight`), torchvision (`conv_proj.weight`, "
+    "`encoder.pos_embedding`), Google .npz (`[params/]embedding/kernel`)"
+)
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    img_size: int | tuple[int, int] | None = None,
+    num_classes: int | None = None,
+    config: Mapping[str, Any] | None = None,
+    resample: str | Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> VisionTransformer:
+    """Load a ViT checkpoint of any supported format into a vitlab `VisionTransformer` (eval mode).
+
+    `path`: a vitlab `save_pretrained` folder or its `model.safetensors`, a vitlab Lightning `.ckpt`,
+    a timm / HF transformers / torchvision state dict (`.pth`, `.bin`, `.safetensors`) or a Google
+    `.npz`. The format is detected from the tensor names and the architecture inferred from their
+    shapes; `config` sets what shapes cannot tell (`num_heads` for torch formats, `img_size` for a
+    non-square grid, `in_chans`), `overrides` are further constructor arguments (`drop_path_rate`...).
+
+    `img_size`: resample the position embeddings to this input size, with timm's rule (bicubic,
+    antialias) unless `resample="family"` (the source's own rule) or a dict of
+    `resample_pos_embed` arguments is given. `num_classes`: swap in a zero-initialised head.
+    """
+    unknown = sorted(set(config or {}).union(overrides) - _CONSTRUCTOR_ARGS)
+    if unknown:
+        raise TypeError(f"unknown VisionTransformer argument(s): {', '.join(unknown)}")
+    raw = read_checkpoint(path)
+    conv = convert(raw, config or {})
+    model = build_model(conv, config, overrides)
+    if img_size is not None and to_2tuple(img_size) != tuple(model.patch_embed.img_size):
+        model.set_image_size(img_size, **_resample_rule(resample, conv))
+    if num_classes is not None and num_classes != model.num_classes:
+        model.reset_head(num_classes)
+        model.data_config["class_names"] = None  # the old names describe the old head
+    return model.eval()
+
+
+def _resample_rule(resample: str | Mapping[str, Any] | None, conv: Converted) -> dict[str, Any]:
+    if resample is None or resample == "timm":
+        return dict(TIMM_RESAMPLE)
+    if resample == "family":
+        return dict(conv.resample)
+    if isinstance(resample, Mapping):
+        return {**TIMM_RESAMPLE, **resample}
+    raise ValueError(f"resample={resample!r}; use None/'timm', 'family' or a dict of resample_pos_embed arguments")
+
+
+def convert(raw: RawCheckpoint, user_config: Mapping[str, Any]) -> Converted:
+    """Detect the format of a read checkpoint and convert it to vitlab names."""
+    path = str(raw.path)
+    obj = raw.obj
+    if raw.kind == "npz":
+        if npz.looks_like(list(obj)):
+            return npz.convert(obj, path, user_config)
+        raise _not_a_vit(list(obj), path)
+    if native.is_lightning(obj):
+        return native.convert_lightning(obj, path)
+    tensors = _unwrap(obj, path)
+    keys = list(tensors)
+    if native.is_native_sidecar(raw.sidecar) and timm.looks_like(keys):
+        return native.convert_saved(tensors, raw.sidecar, path)  # type: ignore[arg-type]
+    if timm.looks_like(keys):
+        return timm.convert(tensors, path, user_config, raw.sidecar)
+    if hf.looks_like(keys):
+        return hf.convert(tensors, path, raw.sidecar)
+    if torchvision.looks_like(keys):
+        return torchvision.convert(tensors, path)
+    if npz.looks_like(keys):  # Flax names in a torch/safetensors container
+        return npz.convert(tensors, path, user_config)
+    raise _not_a_vit(keys, path)
+
+
+def _unwrap(obj: Any, path: str) -> dict[str, Any]:
+    for _ in range(3):  # e.g. {"model": {"state_dict": {...}}}
+        if not isinstance(obj, Mapping):
+            break
+        inner = next((obj[k] for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
+        if inner is None or any(isinstance(v, torch.Tensor) for v in obj.values()):
+            break
+        obj = inner
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"holds a {type(obj).__name__}, not a state dict of named tensors", path=path)
+    tensors = {str(k): v for k, v in obj.items() if isinstance(v, (torch.Tensor, np.ndarray))}
+    if not tensors:
+        raise CheckpointError(f"holds no tensors (top-level keys: {', '.join(map(str, list(obj)[:12]))})", path=path)
+    return tensors
+
+
+def _not_a_vit(keys: list[str], path: str) -> CheckpointError:
+    shown = ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
+    return CheckpointError(
+        f"not a ViT checkpoint vitlab recognises ({len(keys)} tensors: {shown}); known layouts: {_KNOWN_LAYOUTS}",
+        path=path,
+    )

@@ -1,0 +1,137 @@
+"""Reading checkpoint files without executing anything they contain.
+
+Torch pickles go through `torch.load(weights_only=True)` (tensors and plain containers only),
+safetensors through safetensors, `.npz` through `numpy.load(allow_pickle=False)`. There is no
+fallback to full unpickling: a pickle needing arbitrary objects is refused with an explanation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitlab.interop.errors import CheckpointError, UnsafeCheckpointError
+
+# Weight files looked for inside a folder, in this order (vitlab/HF/timm hub layouts first).
+FOLDER_FILES = ("model.safetensors", "pytorch_model.bin", "model.pth", "model.pt", "model.ckpt", "model.npz")
+SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".npz")
+
+# argparse.Namespace holds only attributes; timm's training script stores its args as one.
+_SAFE_EXTRA_GLOBALS = [argparse.Namespace]
+# Restricted-unpickler complaints that mean a broken stream, not a forbidden object.
+_MALFORMED = ("Unsupported operand", "String is too long", "unsupported persistent id")
+
+
+@dataclass
+class RawCheckpoint:
+    path: Path  # the weights file
+    kind: str  # "torch" | "safetensors" | "npz"
+    obj: Any  # torch: what torch.load returned; otherwise a dict name -> tensor / array
+    sidecar: dict[str, Any] | None  # config.json next to the weights, if any
+
+
+def resolve(path: str | Path) -> Path:
+    """The weights file for `path`, which may be a file or a folder holding one."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_file():
+        return path
+    for name in FOLDER_FILES:
+        if (path / name).is_file():
+            return path / name
+    found = sorted(p.name for p in path.iterdir() if p.suffix in SUFFIXES)
+    if len(found) == 1:
+        return path / found[0]
+    raise CheckpointError(
+        f"folder holds {'no' if not found else 'several'} weight files ({', '.join(found) or 'none'}); "
+        f"expected one of {', '.join(FOLDER_FILES)} or a single {'/'.join(SUFFIXES)} file",
+        path=str(path),
+    )
+
+
+def read_sidecar(weights: Path) -> dict[str, Any] | None:
+    cfg = weights.parent / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None  # an unrelated or broken file: the tensors still speak for themselves
+    return data if isinstance(data, dict) else None
+
+
+def read_checkpoint(path: str | Path) -> RawCheckpoint:
+    weights = resolve(path)
+    suffix = weights.suffix.lower()
+    if suffix == ".safetensors":
+        kind, obj = "safetensors", _read_safetensors(weights)
+    elif suffix == ".npz":
+        kind, obj = "npz", _read_npz(weights)
+    else:
+        kind, obj = "torch", _read_torch(weights)
+    return RawCheckpoint(weights, kind, obj, read_sidecar(weights))
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"not a readable safetensors file: {e}", path=str(path)) from e
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except ValueError as e:
+        if "allow_pickle" in str(e):
+            raise UnsafeCheckpointError(
+                "the .npz holds object arrays (pickled Python objects); vitlab reads numeric arrays only",
+                path=str(path),
+            ) from e
+        raise CheckpointError(f"not a readable .npz file: {e}", path=str(path)) from e
+    except (OSError, EOFError) as e:
+        raise CheckpointError(f"not a readable .npz file: {e}", path=str(path)) from e
+
+
+def _read_torch(path: Path) -> Any:
+    try:
+        with torch.serialization.safe_globals(_SAFE_EXTRA_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "weights only" not in text.lower() or any(m in text for m in _MALFORMED):
+            first = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+            raise CheckpointError(f"not a readable torch file ({first})", path=str(path)) from e
+        raise UnsafeCheckpointError(_unsafe_message(path, e), path=str(path)) from e
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"not a readable torch file ({type(e).__name__}: {e})", path=str(path)) from e
+
+
+def _unsafe_message(path: Path, err: Exception) -> str:
+    try:  # names the offending globals without unpickling anything (zip-format files only)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        names = []
+    what = f" ({', '.join(names)})" if names else ""
+    reason = str(err).strip().splitlines()
+    reason = next((ln.strip() for ln in reason if "GLOBAL" in ln or "Can only" in ln), "").split(". ")[0]
+    return (
+        f"refused: the pickle needs Python objects beyond tensors and plain containers{what}. "
+        "vitlab loads only tensors-only checkpoints and never unpickles arbitrary objects, since unpickling "
+        "can run code. If you trust the file, convert it once in a separate process: "
+        "`sd = torch.load(path, weights_only=False)` (pick the state dict out of it if it is wrapped), then "
+        "`safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, 'model.safetensors')` "
+        "and load that file." + (f" [{reason}]" if reason else "")
+    )
