@@ -1,0 +1,439 @@
+"""vitlab.data on real files: folder layouts, bad images, shard splitting over ranks x workers, HF, transforms."""
+
+from __future__ import annotations
+
+import collections
+import io
+import shutil
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from vitlab.data import (
+    BadImageError,
+    CIFARDataModule,
+    HFDataModule,
+    ImageFolderDataModule,
+    ShardDataModule,
+    eval_transform,
+    mixup_cutmix_collate,
+    per_device_batch,
+    train_transform,
+)
+from vitlab.data.base import EpochLoader
+from vitlab.data.shards import ShardStream, key_in_val, split_range
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+SMALL = dict(img_size=32, batch_size=4, num_workers=0, train_crop="pad", crop_pct=1.0)
+
+
+def link_files(src: Path, dst: Path, n: int, offset: int = 0) -> list[Path]:
+    dst.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in sorted(src.iterdir())[offset : offset + n]:
+        (dst / f.name).symlink_to(f)
+        out.append(dst / f.name)
+    return out
+
+
+def make_tree(
+    subset: Path, root: Path, classes: list[str], n_train: int, n_val: int | None, train: str = "train",
+    val: str = "val",
+) -> Path:  # fmt: skip
+    """A small class-per-folder tree of symlinks into the shared subset (val=None: flat 21k layout)."""
+    for c in classes:
+        link_files(subset / "train" / c, root / train / c if train else root / c, n_train)
+        if n_val:
+            link_files(subset / "val" / c, root / val / c, n_val)
+    return root
+
+
+def batches(loader: DataLoader) -> list:
+    return list(loader)
+
+
+# ---- image folders ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [("train", "val"), ("imagenet21k_train", "imagenet21k_val")])
+def test_folder_split_layouts(cifar_subset: Path, tmp_path: Path, names: tuple[str, str]) -> None:
+    classes = ["cat", "airplane", "dog"]
+    root = make_tree(cifar_subset, tmp_path / "d", classes, 5, 2, *names)
+    dm = ImageFolderDataModule(str(root), **SMALL)
+    assert dm.class_names == ["airplane", "cat", "dog"]  # sorted folder names, before setup
+    assert dm.num_classes == 3
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 15 and len(dm.val_dataset) == 6
+    assert [t for _, t in dm.val_dataset.samples] == [0, 0, 1, 1, 2, 2]
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    xs = torch.cat([b[0] for b in batches(dm.val_dataloader())])
+    assert xs.shape == (6, 3, 32, 32) and -1.0 <= xs.min() and xs.max() <= 1.0
+    cfg = dm.data_config
+    assert cfg == dict(img_size=[32, 32], mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic", crop_pct=1.0,
+                       class_names=["airplane", "cat", "dog"])  # fmt: skip
+
+
+def test_folder_flat_21k_heldout_is_deterministic(cifar_subset: Path, tmp_path: Path) -> None:
+    root = make_tree(cifar_subset, tmp_path / "flat", ["bird", "frog", "ship"], 20, None, train="")
+    splits = []
+    for _ in range(2):
+        dm = ImageFolderDataModule(str(root), val_fraction=0.2, **SMALL)
+        dm.setup("fit")
+        splits.append(([p for p, _ in dm.train_dataset.samples], [p for p, _ in dm.val_dataset.samples]))
+    (train, val), (train2, val2) = splits
+    assert (train, val) == (train2, val2)  # stable across instantiations
+    assert not set(train) & set(val) and len(set(train) | set(val)) == 60
+    per_class = collections.Counter(Path(p).parent.name for p in val)
+    assert per_class == {"bird": 4, "frog": 4, "ship": 4}
+    # hash order, not listing order: removing a training file leaves the held-out files as they were
+    Path(next(p for p in train if Path(p).parent.name == "bird")).unlink()
+    dm = ImageFolderDataModule(str(root), val_fraction=0.2, **SMALL)
+    dm.setup("fit")
+    assert [p for p, _ in dm.val_dataset.samples] == val and len(dm.train_dataset) == 47
+    nov = ImageFolderDataModule(str(root), val_fraction=0.0, **SMALL)
+    nov.setup("fit")
+    assert nov.val_dataset is None and nov.val_dataloader() == []
+
+
+def test_folder_image_modes_load_as_rgb(cifar_subset: Path, tmp_path: Path) -> None:
+    src = sorted((cifar_subset / "train" / "cat").iterdir())[:6]
+    root = tmp_path / "modes"
+    (root / "train" / "cat").mkdir(parents=True)
+    modes = {"L": "png", "P": "png", "RGBA": "png", "LA": "png", "1": "png", "CMYK": "jpg"}
+    for f, (mode, ext) in zip(src, modes.items()):
+        Image.open(f).convert(mode).save(root / "train" / "cat" / f"{mode}.{ext}")
+    pal = Image.open(src[0]).convert("P")
+    pal.info["transparency"] = 0
+    pal.save(root / "train" / "cat" / "P_transparent.png", transparency=0)
+    dm = ImageFolderDataModule(str(root), val_fraction=0.0, **SMALL)
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 7
+    for i in range(7):
+        x, y = dm.train_dataset[i]
+        assert x.shape == (3, 32, 32) and y == 0
+
+
+def test_folder_errors(cifar_subset: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=rf"{missing}.*does not exist.*train/<class>"):
+        ImageFolderDataModule(str(missing), **SMALL).setup("fit")
+
+    empty = make_tree(cifar_subset, tmp_path / "empty", ["cat", "dog"], 3, 1)
+    (empty / "train" / "emu").mkdir()
+    (empty / "val" / "emu").mkdir()
+    (empty / "train" / "emu" / "notes.txt").write_text("not an image")
+    with pytest.raises(FileNotFoundError, match="without images.*emu"):
+        ImageFolderDataModule(str(empty), **SMALL).setup("fit")
+
+    mism = make_tree(cifar_subset, tmp_path / "mism", ["cat", "dog"], 3, 1)
+    shutil.rmtree(mism / "val" / "dog")
+    link_files(cifar_subset / "val" / "ship", mism / "val" / "ship", 1)
+    with pytest.raises(ValueError, match=r"missing from val: \['dog'\]; only in val: \['ship'\]"):
+        ImageFolderDataModule(str(mism), **SMALL).setup("fit")
+
+    ok = make_tree(cifar_subset, tmp_path / "ok", ["cat", "dog"], 3, 1)
+    with pytest.raises(ValueError, match=r"num_classes=5 .* 2 classes"):
+        ImageFolderDataModule(str(ok), num_classes=5, **SMALL).setup("fit")
+    assert ImageFolderDataModule(str(ok), num_classes=2, **SMALL).num_classes == 2
+
+
+def test_folder_bad_images(cifar_subset: Path, tmp_path: Path) -> None:
+    root = make_tree(cifar_subset, tmp_path / "bad", ["cat"], 4, None)
+    d = root / "train" / "cat"
+    good = sorted(d.iterdir())[0].read_bytes()
+    (d / "a_zero.png").write_bytes(b"")
+    (d / "b_truncated.png").write_bytes(good[: len(good) // 2])
+    (d / "c_text.jpg").write_text("this is not a jpeg")
+    bad = {"a_zero.png", "b_truncated.png", "c_text.jpg"}
+
+    dm = ImageFolderDataModule(str(root), val_fraction=0.0, **SMALL)
+    dm.setup("fit")
+    for i, (path, _) in enumerate(dm.train_dataset.samples):
+        if Path(path).name in bad:
+            with pytest.raises(BadImageError, match=Path(path).name):
+                dm.train_dataset[i]
+
+    dm = ImageFolderDataModule(str(root), val_fraction=0.0, skip_bad_images=True, **{**SMALL, "batch_size": 7})
+    dm.setup("fit")
+    (x, y), = batches(dm.train_dataloader())  # length kept: bad slots refilled by the next good file
+    assert x.shape == (7, 3, 32, 32) and dm.bad_image_count == 3
+
+
+# ---- shards ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [None, 7, 256])
+def test_shard_split_arithmetic(world_size: int, num_workers: int, batch_size: int | None) -> None:
+    """Uneven shards: rank x worker pieces tile [0, world*L) once; equal batch counts per rank."""
+    counts = [5, 1000, 37, 0, 800, 3, 2500]
+    total, per_rank = sum(counts), sum(counts) // world_size
+    for epoch in (0, 1):
+        covered, nbatches = [], []
+        for rank in range(world_size):
+            s = ShardStream([f"s{i}" for i in range(len(counts))], counts, rank=rank, world_size=world_size,
+                            batch_size=batch_size, shuffle=True, seed=3)  # fmt: skip
+            order = s.shard_order(epoch)
+            starts = {sh: sum(counts[o] for o in order[: order.index(sh)]) for sh in order}
+            n = 0
+            for w in range(num_workers):
+                a, b = split_range(total, rank, world_size, w, num_workers, batch_size)
+                pieces = s.pieces(epoch, w, num_workers)
+                got = [starts[sh] + i for sh, lo, hi in pieces for i in range(lo, hi)]
+                assert got == list(range(a, b))
+                covered += got
+                n += -(-(b - a) // batch_size) if batch_size else 0
+            nbatches.append(n)
+            assert len(s) == per_rank
+        assert sorted(covered) == list(range(world_size * per_rank))
+        assert total - len(covered) == total % world_size  # only the remainder is dropped
+        if batch_size:
+            assert nbatches == [-(-per_rank // batch_size)] * world_size
+
+
+def test_shards_every_sample_once_over_2_ranks_x_2_workers(cifar_shards: Path) -> None:
+    """Two simulated ranks, each with 2 persistent workers, two epochs; keys and labels only (no decoding)."""
+    dm = ShardDataModule(str(cifar_shards), val_fraction=0.0, img_size=32, batch_size=500, num_workers=2)
+    assert dm.class_names == CLASSES  # from classes.txt, no scan
+    loaders = []
+    for rank in range(2):
+        stream = dm.dataset("train", rank=rank, world_size=2, decode=False)
+        loaders.append(EpochLoader(stream, batch_size=stream.batch_size, num_workers=2, persistent_workers=True))
+        assert len(stream) == 25_000 and len(loaders[-1]) == 100
+    rank0_keys = []
+    for epoch in range(2):
+        seen: collections.Counter = collections.Counter()
+        labels: dict[str, int] = {}
+        per_rank = []
+        for rank, loader in enumerate(loaders):
+            n = 0
+            for keys, ys in loader:
+                n += 1
+                seen.update(keys)
+                labels.update(zip(keys, ys.tolist()))
+                if rank == 0:
+                    rank0_keys.append(set(keys))
+            per_rank.append(n)
+        assert per_rank == [100, 100]
+        assert len(seen) == 50_000 and set(seen.values()) == {1}
+        assert collections.Counter(labels.values()) == {c: 5000 for c in range(10)}
+        assert all(k.startswith(CLASSES[y]) for k, y in labels.items())  # keys are "<class>_<n>"
+    # the persistent workers saw the new epoch: rank 0 read other shards, in another order
+    assert set().union(*rank0_keys[:100]) != set().union(*rank0_keys[100:])
+
+
+def test_shards_num_samples_is_checked(cifar_shards: Path) -> None:
+    """num_samples skips counting; a wrong value is caught while reading, not silently mis-split."""
+    def read(num_samples: int) -> int:
+        dm = ShardDataModule(str(cifar_shards), val_fraction=0.0, num_samples=num_samples, img_size=32, batch_size=8)
+        stream = dm.dataset("train", rank=0, world_size=8, decode=False)
+        return sum(1 for _ in stream)
+
+    assert read(50_000) == 6250
+    with pytest.raises(RuntimeError, match=r"holds more than the 4900 samples"):
+        read(49_000)
+    with pytest.raises(RuntimeError, match=r"ended after 5000 samples but was indexed with 6000"):
+        read(60_000)
+
+
+def test_shards_reshuffle_per_epoch_and_heldout(cifar_shards: Path) -> None:
+    dm = ShardDataModule(str(cifar_shards), img_size=32, batch_size=64, num_workers=0, shuffle_buffer=64,
+                         train_crop="pad", crop_pct=1.0)  # fmt: skip
+    train, val = dm.dataset("train", decode=False), dm.dataset("val", decode=False)
+    assert 800 < len(val) < 1200 and len(train) + len(val) == 50_000  # ~2% by key hash
+    first = [s for s, _, _ in train.pieces(0)]
+    assert first != [s for s, _, _ in train.pieces(1)] and sorted(first) == list(range(10))
+    it = iter(val)
+    val_keys = {next(it)[0] for _ in range(20)}
+    train_head = [k for k, _ in zip((k for k, _ in iter(train)), range(3000))]
+    assert all(key_in_val(k, 0.02) for k in val_keys) and not any(key_in_val(k, 0.02) for k in train_head)
+    train.set_epoch(1)
+    assert [k for k, _ in zip((k for k, _ in iter(train)), range(50))] != train_head[:50]
+
+    dm = ShardDataModule(str(cifar_shards), img_size=32, batch_size=8, num_workers=0, shuffle_buffer=16,
+                         mixup_alpha=0.8, train_crop="pad", crop_pct=1.0)  # fmt: skip
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (8, 3, 32, 32) and y.shape == (8, 10)
+    torch.testing.assert_close(y.sum(1), torch.ones(8))
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.shape == (8, 3, 32, 32) and y.dtype == torch.int64
+
+
+def _write_shard(path: Path, samples: list[tuple[str, str, bytes, int]]) -> None:
+    with tarfile.open(path, "w") as tf:
+        for key, ext, data, label in samples:
+            for name, payload in ((f"{key}.{ext}", data), (f"{key}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+
+
+def test_shards_bad_images(cifar_subset: Path, tmp_path: Path) -> None:
+    files = sorted((cifar_subset / "train" / "dog").iterdir())[:6]
+    good = [(f"k{i}", "png", f.read_bytes(), 5) for i, f in enumerate(files)]
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    _write_shard(shard_dir / "s-000000.tar", good[:3] + [("k_zero", "jpg", b"", 5)])
+    _write_shard(shard_dir / "s-000001.tar", [("k_junk", "jpg", b"\xff\xd8 junk", 5)] + good[3:])
+    (shard_dir / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+
+    dm = ShardDataModule(str(shard_dir / "s-{000000..000001}.tar"), val_fraction=0.0, **{**SMALL, "batch_size": 8})
+    dm.setup("fit")
+    with pytest.raises(BadImageError, match=r"s-00000[01]\.tar:k_(zero|junk)"):
+        batches(dm.train_dataloader())
+
+    dm = ShardDataModule(str(shard_dir), val_fraction=0.0, skip_bad_images=True, **{**SMALL, "batch_size": 8})
+    dm.setup("fit")
+    (x, y), = batches(dm.train_dataloader())  # both bad slots refilled: still 8 samples
+    assert x.shape == (8, 3, 32, 32) and y.tolist() == [5] * 8 and dm.bad_image_count == 2
+
+    with pytest.raises(ValueError, match="num_classes=3 .* 10 classes"):
+        ShardDataModule(str(shard_dir), num_classes=3, **SMALL).num_classes
+
+
+# ---- HF datasets -----------------------------------------------------------------------------------
+
+
+def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
+    root = make_tree(cifar_subset, tmp_path / "hf", ["cat", "dog", "ship"], 6, 2, "train", "validation")
+    dm = HFDataModule("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / "cache"), **SMALL)
+    assert dm.class_names == ["cat", "dog", "ship"]
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 18 and len(dm.val_dataset) == 6
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and set(y.tolist()) <= {0, 1, 2}
+    assert sorted(torch.cat([b[1] for b in dm.val_dataloader()]).tolist()) == [0, 0, 1, 1, 2, 2]
+
+    held = HFDataModule("imagefolder", data_dir=str(root / "train"), cache_dir=str(tmp_path / "cache"),
+                        val_split=None, val_fraction=0.33, **SMALL)  # fmt: skip
+    held.setup("fit")
+    assert len(held.train_dataset) + len(held.val_dataset) == 18 and len(held.val_dataset) == 6
+    with pytest.raises(ValueError, match="no column 'img'"):
+        HFDataModule("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / "cache"), image_column="img",
+                     **SMALL).setup("fit")  # fmt: skip
+
+
+# ---- transforms, collate, batch arithmetic, CIFAR --------------------------------------------------
+
+
+def test_eval_transform_pil_and_tensor(cifar_subset: Path) -> None:
+    from vitlab.models import VisionTransformer
+
+    model = VisionTransformer(img_size=48, patch_size=16, num_classes=10, embed_dim=32, depth=1, num_heads=2)
+    t = eval_transform(model)
+    img = Image.open(sorted((cifar_subset / "val" / "cat").iterdir())[0])
+    for x in (img, img.convert("L"), img.convert("RGBA"), img.convert("P")):
+        out = t(x)
+        assert out.shape == (3, 48, 48) and out.dtype == torch.float32
+    white = torch.full((3, 40, 60), 255, dtype=torch.uint8)
+    torch.testing.assert_close(t(white), torch.ones(3, 48, 48))  # (1 - 0.5) / 0.5
+    for c in (1, 4):
+        assert t(torch.zeros(c, 40, 60, dtype=torch.uint8)).shape == (3, 48, 48)
+    torch.testing.assert_close(t(torch.zeros(1, 40, 60, dtype=torch.uint8)), -torch.ones(3, 48, 48))
+
+    cfg = dict(img_size=224, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], crop_pct=0.875)
+    t = eval_transform(cfg)
+    assert [type(op).__name__ for op in t.transforms][1:3] == ["Resize", "CenterCrop"]
+    assert t.transforms[1].size == [256]  # 224 / 0.875
+    x = t(img)
+    assert x.shape == (3, 224, 224)
+    grey = eval_transform({**cfg, "mean": [0.5] * 3, "std": [0.5] * 3})(Image.new("L", (50, 70), 128))
+    torch.testing.assert_close(grey, torch.full((3, 224, 224), 128 / 255 * 2 - 1))
+
+
+def test_train_transform_modes(cifar_subset: Path) -> None:
+    img = Image.open(sorted((cifar_subset / "train" / "cat").iterdir())[0])
+    variants = (
+        dict(train_crop="rrc"), dict(train_crop="pad"), dict(auto_augment="trivialaugment"), dict(auto_augment=None),
+    )  # fmt: skip
+    for kw in variants:
+        assert train_transform(64, **kw)(img).shape == (3, 64, 64)
+    pad = train_transform(32, train_crop="pad", hflip=False, auto_augment=None)
+    assert pad(img).shape == (3, 32, 32)
+    with pytest.raises(ValueError, match="train_crop"):
+        train_transform(32, train_crop="center")
+    with pytest.raises(ValueError, match="interpolation"):
+        ImageFolderDataModule("x", interpolation="cubic")
+
+
+@pytest.mark.parametrize("mixup,cutmix", [(0.8, 0.0), (0.0, 1.0), (0.8, 1.0)])
+def test_mixup_cutmix_collate(mixup: float, cutmix: float) -> None:
+    batch = [(torch.rand(3, 32, 32), i % 5) for i in range(8)]
+    collate = mixup_cutmix_collate(5, mixup, cutmix)
+    for _ in range(3):
+        x, y = collate(batch)
+        assert x.shape == (8, 3, 32, 32) and y.shape == (8, 5) and y.dtype == torch.float32
+        torch.testing.assert_close(y.sum(1), torch.ones(8))
+        assert (y >= 0).all()
+    x, y = mixup_cutmix_collate(5)(batch)
+    assert y.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+
+
+def test_global_batch_per_device(cifar_subset: Path, tmp_path: Path) -> None:
+    assert per_device_batch(256, 4) == 64 and per_device_batch(256, 1) == 256
+    with pytest.raises(ValueError, match=r"batch_size=250 is the GLOBAL batch.*world_size=4.*248 or 252"):
+        per_device_batch(250, 4)
+    root = make_tree(cifar_subset, tmp_path / "b", ["cat", "dog"], 8, 2)
+    dm = ImageFolderDataModule(str(root), **{**SMALL, "batch_size": 8})
+    dm.trainer = SimpleNamespace(world_size=4, global_rank=1, num_devices=4, current_epoch=0)
+    dm.setup("fit")
+    assert dm.per_device_batch_size == dm.batch_size_per_device == 2
+    assert next(iter(dm.train_dataloader()))[0].shape[0] == 2
+    dm = ImageFolderDataModule(str(root), **{**SMALL, "batch_size": 6})
+    dm.trainer = SimpleNamespace(world_size=4, global_rank=0, num_devices=4, current_epoch=0)
+    with pytest.raises(ValueError, match="GLOBAL batch"):
+        dm.setup("fit")
+
+
+def test_cifar_missing_names_the_folder(tmp_path: Path) -> None:
+    dm = CIFARDataModule(root=str(tmp_path / "data"), download=False)
+    assert dm.class_names == CLASSES and dm.data_config["crop_pct"] == 1.0
+    with pytest.raises(RuntimeError, match=r"cifar-10-batches-py.*DATA=<ImageFolder path>.*ImageFolderDataModule"):
+        dm.setup("fit")
+    dm.prepare_data()  # download=False: never touches the network
+
+
+def test_fit_with_lightning(cifar_subset: Path, cifar_shards: Path, tmp_path: Path) -> None:
+    """The DataModules under a real Trainer: loaders, lengths and the epoch hand-off."""
+    import lightning as L
+
+    class Probe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3 * 32 * 32, 10)
+            self.epochs_seen: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 0:
+                ds = self.trainer.train_dataloader.dataset
+                self.epochs_seen.append(ds.epoch if hasattr(ds, "epoch") else -1)
+            return torch.nn.functional.cross_entropy(self.lin(x.flatten(1)), y)
+
+        def validation_step(self, batch, _):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    root = make_tree(cifar_subset, tmp_path / "f", CLASSES, 2, 1)
+    shards = ShardDataModule(str(cifar_shards), img_size=32, batch_size=16, num_workers=0, shuffle_buffer=32,
+                             train_crop="pad", crop_pct=1.0, mixup_alpha=0.5)  # fmt: skip
+    for dm in (ImageFolderDataModule(str(root), **SMALL), shards):
+        probe = Probe()
+        trainer = L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=1, accelerator="cpu", devices=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
+        trainer.fit(probe, datamodule=dm)
+        assert trainer.global_step == 4
+        if dm is shards:
+            assert probe.epochs_seen == [0, 1]
+            assert trainer.num_training_batches == 2

@@ -1,0 +1,166 @@
+"""`vitlab` command line.
+
+Training runs through LightningCLI (`vitlab fit|validate|test --config recipes/...yaml`); the tools
+that work on a finished checkpoint are plain subcommands: `predict`, `explain`, `inspect`, `export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from vitlab.data import ImageDataModule
+from vitlab.train import ViTClassifier
+
+LoggerName = Literal["tensorboard", "csv", "wandb"]
+TOOLS = ("predict", "explain", "inspect", "export")
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """Write the resolved config to `<run_dir>/config.yaml` (rank 0) and log it as hyperparameters."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
+
+    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        path = Path(trainer.default_root_dir) / "config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, str(path), skip_none=False, overwrite=True)
+
+
+class VitlabCLI(LightningCLI):
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            ViTClassifier,
+            ImageDataModule,
+            subclass_mode_data=True,
+            save_config_callback=SaveRunConfig,
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+            parser_kwargs={"default_env": False},
+            args=args,
+            run=run,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # LightningCLI's own `predict` is left out: `vitlab predict` is the friendly checkpoint tool.
+        return {
+            "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+            "validate": {"model", "dataloaders", "datamodule"},
+            "test": {"model", "dataloaders", "datamodule"},
+        }
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_dir", type=str, default="runs/default", help="Everything the run writes goes here.")
+        parser.add_argument(
+            "--loggers", type=list[LoggerName], default=["tensorboard", "csv"], help="Experiment trackers to use."
+        )
+        # The data decides what the model predicts and how its inputs look.
+        parser.link_arguments("data.init_args.img_size", "model.img_size")
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        parser.link_arguments("data.data_config", "model.data_config", apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.config = parser.parse_args(args)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        from vitlab.train.run import run_callbacks, run_loggers
+
+        run_dir = Path(self._get(self.config, "run_dir"))
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        if trainer_cfg.get("logger") in (None, True):
+            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self._get(self.config, "ckpt_path"))
+        existing = trainer_cfg.get("callbacks") or []
+        existing = existing if isinstance(existing, list) else [existing]
+        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing)]
+        kwargs["default_root_dir"] = str(run_dir)
+        return super().instantiate_trainer(**kwargs)
+
+
+def _data_args(path: str) -> list[str]:
+    """`--data_path P` -> the DataModule that reads P: shards, an image folder, or a CIFAR name."""
+    if path in ("cifar10", "cifar100"):
+        return ["--data=vitlab.data.CIFARDataModule", f"--data.variant={path}"]
+    p = Path(path)
+    if not p.exists():
+        raise SystemExit(
+            f"DATA path {path!r} does not exist; give an image folder (train/<class>/...), "
+            "a folder of webdataset shards (*.tar, *.tar.gz), or 'cifar10' / 'cifar100'"
+        )
+    if p.is_dir() and (any(p.glob("*.tar")) or any(p.glob("*.tar.gz"))) or p.suffix in (".tar", ".gz"):
+        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}"]
+    return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+
+
+def _expand_data_path(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--data_path":
+            out += _data_args(next(it))
+        elif arg.startswith("--data_path="):
+            out += _data_args(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    return out
+
+
+def _tool_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitlab", description="vitlab checkpoint tools")
+    sub = parser.add_subparsers(dest="tool", required=True)
+    p = sub.add_parser("predict", help="print the top-k classes for images")
+    p.add_argument("--ckpt", required=True, help="checkpoint (any format load_pretrained reads)")
+    p.add_argument("--topk", type=int, default=5)
+    p.add_argument("images", nargs="+")
+    p = sub.add_parser("explain", help="attention rollout heat-map and top-5 predictions for one image")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--image", required=True)
+    p.add_argument("--out", default=None, help="output PNG (default: <image>_explain.png)")
+    p = sub.add_parser("inspect", help="attention distance, position-embedding similarity and filter figures")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--images", nargs="*", default=None, help="images for the attention-distance figure")
+    p = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True, help="output folder")
+    return parser
+
+
+def run_tool(argv: list[str]) -> int:
+    args = _tool_parser().parse_args(argv)
+    if args.tool == "export":
+        from vitlab.interop import load_pretrained, save_pretrained
+
+        print(save_pretrained(load_pretrained(args.ckpt), args.out))
+        return 0
+    from vitlab.analysis import commands
+
+    if args.tool == "predict":
+        commands.print_predictions(commands.predict(args.ckpt, args.images, topk=args.topk), args.images)
+    elif args.tool == "explain":
+        print(commands.explain(args.ckpt, args.image, args.out))
+    elif args.tool == "inspect":
+        for path in commands.inspect(args.ckpt, args.out, images=args.images):
+            print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if argv and argv[0] in TOOLS:
+        return run_tool(argv)
+    VitlabCLI(args=_expand_data_path(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

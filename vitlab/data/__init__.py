@@ -1,0 +1,14 @@
+"""Data: LightningDataModules for image folders, webdataset shards, HF datasets and CIFAR, plus transforms."""
+
+from vitlab.data.base import BadImageError, ImageDataModule, per_device_batch
+from vitlab.data.cifar import CIFARDataModule
+from vitlab.data.folder import ImageFolderDataModule
+from vitlab.data.hf import HFDataModule
+from vitlab.data.shards import ShardDataModule, ShardStream
+from vitlab.data.transforms import eval_transform, mixup_cutmix_collate, train_transform
+
+__all__ = [
+    "BadImageError", "CIFARDataModule", "HFDataModule", "ImageDataModule", "ImageFolderDataModule",
+    "ShardDataModule", "ShardStream", "eval_transform", "mixup_cutmix_collate", "per_device_batch",
+    "train_transform",
+]

@@ -1,0 +1,384 @@
+"""The DataModule base every vitlab data source shares: transforms, batch arithmetic, class names.
+
+Subclasses supply `_discover_class_names()` (cheap: folder names, classes.txt, a ClassLabel) and
+`_setup_datasets(stage)`; the base turns them into loaders with the global-batch/per-device split,
+MixUp/CutMix on train batches, and the `data_config` a checkpoint stores for inference.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from vitlab.data.transforms import (
+    DEFAULT_MEAN,
+    DEFAULT_STD,
+    AutoAugment,
+    MixupCutmixCollate,
+    TrainCrop,
+    eval_transform,
+    interpolation_mode,
+    pil_to_rgb,
+    train_transform,
+)
+
+log = logging.getLogger("vitlab.data")
+
+
+class BadImageError(RuntimeError):
+    """An image file that cannot be decoded; the message names the file (or shard and key)."""
+
+
+class SharedCounter:
+    """A counter that DataLoader worker processes can bump and the main process can read.
+
+    Shared-memory int64 slots, one per worker id (slot 0 for the main process), so no two processes
+    write the same slot. Counts are per process group member (per DDP rank).
+    """
+
+    SLOTS = 257
+
+    def __init__(self) -> None:
+        self._t = torch.zeros(self.SLOTS, dtype=torch.int64).share_memory_()
+
+    def add(self, n: int = 1) -> None:
+        info = get_worker_info()
+        slot = 0 if info is None else 1 + info.id % (self.SLOTS - 1)
+        self._t[slot] += n
+
+    @property
+    def value(self) -> int:
+        return int(self._t.sum())
+
+    def reset(self) -> None:
+        self._t.zero_()
+
+
+def load_rgb(src: str | os.PathLike | bytes, name: str | None = None) -> Image.Image:
+    """Decode an image file (path or bytes) to RGB now, so corrupt/truncated/empty files fail here.
+
+    Raises BadImageError naming the file instead of a PIL traceback from deep inside a worker.
+    """
+    name = name or str(src)
+    try:
+        with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as img:
+            img.load()  # lazy PIL would otherwise defer truncation errors to the first transform
+            rgb = pil_to_rgb(img)
+            return rgb.copy() if rgb is img else rgb  # detached from the file, which closes here
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, zlib.error... per format
+        raise BadImageError(f"cannot decode image {name}: {type(exc).__name__}: {exc}") from exc
+
+
+class EpochLoader(DataLoader):
+    """DataLoader that hands an iterable dataset its epoch (`dataset.set_epoch`) before each pass.
+
+    Lightning sets epochs only on samplers, which an IterableDataset has none of; `epoch_fn` (the
+    trainer's current epoch) or else a count of passes provides it. The dataset must keep the epoch
+    in shared memory so persistent workers see it.
+    """
+
+    def __init__(self, dataset: Any, *args: Any, epoch_fn: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.epoch_fn = epoch_fn
+        self.passes = 0
+
+    def __iter__(self) -> Any:
+        epoch = self.epoch_fn() if self.epoch_fn is not None else self.passes
+        self.passes += 1
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        return super().__iter__()
+
+
+def per_device_batch(batch_size: int, world_size: int) -> int:
+    """The global batch split over `world_size` processes; it must divide exactly."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size % world_size:
+        lo = max(world_size, batch_size // world_size * world_size)
+        raise ValueError(
+            f"batch_size={batch_size} is the GLOBAL batch and must divide evenly over world_size={world_size} "
+            f"processes (devices x nodes); use a multiple of {world_size}, e.g. {lo} or {lo + world_size}"
+        )
+    return batch_size // world_size
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # respects taskset/cgroup pinning, unlike cpu_count
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Base image-classification DataModule; see the module docstring.
+
+    `batch_size` is the global batch: each process loads `batch_size // world_size`. Eval preprocessing
+    is Resize(img_size / crop_pct) + CenterCrop(img_size); 32px sources default to crop_pct=1.0,
+    i.e. a plain resize, because cropping a 32px image loses a tenth of an already tiny picture.
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        batch_size: int = 256,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
+        train_crop: TrainCrop = "rrc",
+        scale_min: float = 0.08,
+        hflip: bool = True,
+        auto_augment: AutoAugment | None = "randaugment",
+        randaugment_magnitude: int = 9,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mean: tuple[float, float, float] = DEFAULT_MEAN,
+        std: tuple[float, float, float] = DEFAULT_STD,
+        interpolation: str = "bicubic",
+        crop_pct: float = 0.9,
+        num_classes: int | None = None,
+        skip_bad_images: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if img_size < 1:
+            raise ValueError(f"img_size must be >= 1, got {img_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 or None (auto), got {num_workers}")
+        if train_crop not in ("rrc", "pad"):
+            raise ValueError(f"unknown train_crop {train_crop!r}; choose 'rrc' (RandomResizedCrop) or 'pad'")
+        if auto_augment not in ("randaugment", "trivialaugment", None):
+            raise ValueError(f"unknown auto_augment {auto_augment!r}; choose 'randaugment', 'trivialaugment' or None")
+        if not 0.0 < crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+        if mixup_alpha < 0 or cutmix_alpha < 0:
+            raise ValueError(f"mixup_alpha/cutmix_alpha must be >= 0, got {mixup_alpha}/{cutmix_alpha}")
+        if num_classes is not None and num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1 or None (from the data), got {num_classes}")
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError(f"mean and std need 3 values (RGB), got {mean} and {std}")
+        interpolation_mode(interpolation)  # fail at construction, not in a worker
+        self.img_size = img_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.train_crop = train_crop
+        self.scale_min = scale_min
+        self.hflip = hflip
+        self.auto_augment = auto_augment
+        self.randaugment_magnitude = randaugment_magnitude
+        self.mixup_alpha = mixup_alpha
+        self.cutmix_alpha = cutmix_alpha
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self.interpolation = interpolation
+        self.crop_pct = crop_pct
+        self.skip_bad_images = skip_bad_images
+        self.seed = seed
+        self._num_classes_arg = num_classes
+        self._class_names: list[str] | None = None
+        self._class_where = ""  # where the names came from, for error messages
+        self.train_dataset: Any = None
+        self.val_dataset: Any = None
+        # num_classes is logged by the model (linked from here), where it is always resolved.
+        self.save_hyperparameters(ignore=["num_classes"])
+
+    # ---- what subclasses provide ------------------------------------------------------------------
+
+    def _discover_class_names(self) -> list[str]:
+        """Class names in label order, found cheaply (no full scan where avoidable)."""
+        raise NotImplementedError
+
+    def _setup_datasets(self, stage: str | None) -> None:
+        """Build `self.train_dataset` / `self.val_dataset` (None when there is no validation data)."""
+        raise NotImplementedError
+
+    # ---- classes and configuration ----------------------------------------------------------------
+
+    @property
+    def class_names(self) -> list[str]:
+        if self._class_names is None:
+            self._set_class_names(self._discover_class_names(), self._class_where)
+        return list(self._class_names)  # type: ignore[arg-type]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _set_class_names(self, names: Sequence[str], where: str = "") -> None:
+        names = [str(n) for n in names]
+        if not names:
+            raise ValueError(f"no classes found{' in ' + where if where else ''}")
+        n = self._num_classes_arg
+        if n is not None and n != len(names):
+            src = f" in {where}" if where else ""
+            raise ValueError(
+                f"num_classes={n} was given but the data has {len(names)} classes{src} "
+                f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); drop num_classes or fix the data"
+            )
+        self._class_names = names
+
+    def _preprocessing(self) -> dict[str, Any]:
+        return dict(
+            img_size=[self.img_size, self.img_size],
+            mean=list(self.mean),
+            std=list(self.std),
+            interpolation=self.interpolation,
+            crop_pct=self.crop_pct,
+        )
+
+    @property
+    def data_config(self) -> dict[str, Any]:
+        """Preprocessing the trained model expects (same keys and format as VisionTransformer.data_config):
+        img_size [h, w], mean, std, interpolation, crop_pct, class_names."""
+        return {**self._preprocessing(), "class_names": self.class_names}
+
+    @property
+    def soft_targets(self) -> bool:
+        """True when train batches carry MixUp/CutMix soft targets [B, C] instead of indices [B]."""
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    @property
+    def bad_image_count(self) -> int:
+        """Bad images skipped so far (train + val) by this rank's loaders; see `skip_bad_images`."""
+        return sum(getattr(ds, "bad_image_count", 0) for ds in (self.train_dataset, self.val_dataset) if ds is not None)
+
+    # ---- distribution -----------------------------------------------------------------------------
+
+    def _trainer(self) -> Any:
+        return getattr(self, "trainer", None)
+
+    @property
+    def world_size(self) -> int:
+        trainer = self._trainer()
+        if trainer is not None:
+            return int(trainer.world_size)
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        trainer = self._trainer()
+        if trainer is not None:
+            return int(trainer.global_rank)
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return 0
+
+    @property
+    def per_device_batch_size(self) -> int:
+        """`batch_size // world_size`; ValueError when the global batch does not divide."""
+        return per_device_batch(self.batch_size, self.world_size)
+
+    @property
+    def resolved_num_workers(self) -> int:
+        """`num_workers`, or when None: the CPUs per local device less one for the main process, at most 8."""
+        if self.num_workers is not None:
+            return self.num_workers
+        trainer = self._trainer()
+        local = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if trainer is not None else 1
+        return max(0, min(8, available_cpus() // local - 1))
+
+    # ---- transforms -------------------------------------------------------------------------------
+
+    def train_transform(self) -> Any:
+        return train_transform(
+            self.img_size, train_crop=self.train_crop, scale_min=self.scale_min, hflip=self.hflip,
+            auto_augment=self.auto_augment, randaugment_magnitude=self.randaugment_magnitude,
+            mean=self.mean, std=self.std, interpolation=self.interpolation,
+        )  # fmt: skip
+
+    def eval_transform(self) -> Any:
+        return eval_transform(self._preprocessing())
+
+    def train_collate(self) -> MixupCutmixCollate:
+        return MixupCutmixCollate(self.num_classes, self.mixup_alpha, self.cutmix_alpha)
+
+    # ---- Lightning hooks --------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        self.batch_size_per_device = self.per_device_batch_size  # fail fast on an indivisible batch
+        self._setup_datasets(stage)
+        _ = self.class_names  # resolves and checks num_classes
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        workers = self.resolved_num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.per_device_batch_size,
+            shuffle=train,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers > 0,
+            collate_fn=self.train_collate() if train else None,
+            generator=torch.Generator().manual_seed(self.seed) if train else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """An empty list when there is no validation data (Lightning then skips validation)."""
+        if self.train_dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
+        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self.val_dataloader()
+
+
+class ImageFileDataset(Dataset):
+    """(path, label) pairs -> (tensor, label); decoding errors name the file.
+
+    With `skip_bad` a bad file is logged once and marked in a shared-memory map (so no worker decodes
+    it again, and `bad_image_count` counts distinct files), and its slot is filled by the next good
+    file in index order: the dataset length, and so every rank's batch count, must not change.
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Any = None, skip_bad: bool = False) -> None:
+        self.samples = list(samples)
+        self.targets = [t for _, t in self.samples]
+        self.transform = transform
+        self.skip_bad = skip_bad
+        self.bad = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
+
+    @property
+    def bad_image_count(self) -> int:
+        return int(self.bad.sum())
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        n = len(self.samples)
+        for step in range(n):
+            i = (index + step) % n
+            if self.bad[i]:
+                continue
+            path, target = self.samples[i]
+            try:
+                img = load_rgb(path)
+            except BadImageError as exc:
+                if not self.skip_bad:
+                    raise
+                self.bad[i] = 1
+                log.warning("skipping bad image %s (%s)", path, exc.__cause__ or exc)
+                continue
+            return (self.transform(img) if self.transform is not None else img), target
+        raise BadImageError(f"no image in this dataset can be decoded (e.g. {self.samples[index][0]})")

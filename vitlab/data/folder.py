@@ -1,0 +1,140 @@
+"""Class-per-folder image trees: ImageNet-1k (train/ + val/) and ImageNet-21k (flat, or split folders)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+from vitlab.data.base import ImageDataModule, ImageFileDataset
+
+TRAIN_DIRS = ("train", "imagenet21k_train")
+VAL_DIRS = ("val", "validation", "imagenet21k_val")
+
+
+def _layouts(root: Path) -> str:
+    return (
+        f"expected one of: {root}/train/<class>/*.jpg with {root}/val/<class>/*.jpg (ImageNet-1k); "
+        f"{root}/<class>/*.jpg (ImageNet-21k, validation held out by file-name hash); "
+        f"{root}/imagenet21k_train/<class>/ with {root}/imagenet21k_val/<class>/"
+    )
+
+
+def _class_dirs(folder: Path) -> list[str]:
+    with os.scandir(folder) as it:
+        return sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+
+
+def name_hash(name: str) -> int:
+    """A stable 64-bit hash (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
+
+
+def held_out_split(
+    samples: list[tuple[str, int]], val_fraction: float, root: str | os.PathLike
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Per class, the round(val_fraction * n) files whose relative path hashes lowest go to val.
+
+    Hash order, not RNG order: the split depends only on the file names, so it is the same on every
+    rank, in every run, and for a file regardless of directory-listing order. Classes with at least
+    two files give at least one to val (when val_fraction > 0) and keep at least one for train.
+    """
+    by_class: dict[int, list[tuple[int, str]]] = {}
+    for path, target in samples:
+        rel = os.path.relpath(path, root)
+        by_class.setdefault(target, []).append((name_hash(rel), path))
+    train, val = [], []
+    for target in sorted(by_class):
+        items = sorted(by_class[target])
+        n = len(items)
+        k = round(val_fraction * n)
+        if val_fraction > 0 and n >= 2:
+            k = min(max(k, 1), n - 1)
+        chosen = {p for _, p in items[:k]}
+        for _, p in sorted(items, key=lambda hp: hp[1]):
+            (val if p in chosen else train).append((p, target))
+    return train, val
+
+
+class ImageFolderDataModule(ImageDataModule):
+    """Images in one folder per class; class index = position of the folder name in sorted order.
+
+    Layouts (checked in this order): `root/train` or `root/imagenet21k_train` for training, with
+    `root/val`, `root/validation` or `root/imagenet21k_val` for validation; else `root` itself holds
+    the class folders. Without a validation folder, `val_fraction` of each class is held out by
+    file-name hash (`val_fraction=0` disables validation). Images of any mode load as RGB.
+    """
+
+    def __init__(self, root: str, val_fraction: float = 0.02, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.root = Path(root).expanduser()
+        self.val_fraction = val_fraction
+        self._dirs: tuple[Path, Path | None] | None = None
+
+    def _layout(self) -> tuple[Path, Path | None]:
+        """(train folder, val folder or None)."""
+        if self._dirs is not None:
+            return self._dirs
+        root = self.root
+        if not root.is_dir():
+            what = "is not a folder" if root.exists() else "does not exist"
+            raise FileNotFoundError(f"image folder root {root} {what}; {_layouts(root)}")
+        train = next((root / d for d in TRAIN_DIRS if (root / d).is_dir()), None)
+        val = next((root / d for d in VAL_DIRS if (root / d).is_dir()), None)
+        if train is None:
+            if val is not None:
+                raise FileNotFoundError(
+                    f"{root} has a validation folder {val.name}/ but no train folder; {_layouts(root)}"
+                )
+            train = root
+        if not _class_dirs(train):
+            raise FileNotFoundError(f"no class folders in {train}; {_layouts(root)}")
+        if val is not None:
+            tr, va = set(_class_dirs(train)), set(_class_dirs(val))
+            if tr != va:
+                missing, extra = sorted(tr - va), sorted(va - tr)
+                raise ValueError(
+                    f"validation classes in {val} differ from training classes in {train}: "
+                    f"missing from val: {missing or 'none'}; only in val: {extra or 'none'}"
+                )
+        self._dirs = (train, val)
+        return self._dirs
+
+    def _discover_class_names(self) -> list[str]:
+        train_dir = self._layout()[0]
+        self._class_where = str(train_dir)
+        return _class_dirs(train_dir)
+
+    def _scan(self, folder: Path, classes: list[str]) -> list[tuple[str, int]]:
+        class_to_idx = {c: i for i, c in enumerate(classes)}
+        samples = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+        seen = {t for _, t in samples}
+        empty = [c for c in classes if class_to_idx[c] not in seen]
+        if empty:
+            raise FileNotFoundError(
+                f"class folders without images in {folder}: {', '.join(empty)} "
+                f"(image extensions: {' '.join(IMG_EXTENSIONS)}); remove the folders or add images"
+            )
+        return samples
+
+    def _setup_datasets(self, stage: str | None) -> None:
+        if self.train_dataset is not None:
+            return
+        train_dir, val_dir = self._layout()
+        classes = self.class_names
+        samples = self._scan(train_dir, classes)
+        if val_dir is not None:
+            val_samples = self._scan(val_dir, classes)
+        elif self.val_fraction > 0:
+            samples, val_samples = held_out_split(samples, self.val_fraction, train_dir)
+        else:
+            val_samples = []
+        self.train_dataset = ImageFileDataset(samples, self.train_transform(), self.skip_bad_images)
+        self.val_dataset = (
+            ImageFileDataset(val_samples, self.eval_transform(), self.skip_bad_images) if val_samples else None
+        )

@@ -1,0 +1,219 @@
+"""Any Hugging Face `datasets` dataset with an image column and a label column.
+
+Local (`imagefolder` with data_dir, `parquet` / `arrow` with data_files, a saved dataset's builder)
+or from the hub when online. Map-style datasets get Lightning's DistributedSampler under DDP;
+streaming (iterable) ones are split per rank with `datasets.distributed.split_dataset_by_node`.
+`datasets` is imported lazily: it is slow to import and only this module needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from vitlab.data.base import BadImageError, EpochLoader, ImageDataModule, load_rgb
+from vitlab.data.transforms import pil_to_rgb
+
+log = logging.getLogger("vitlab.data")
+
+
+def to_pil(value: Any, name: str) -> Image.Image:
+    """An image cell (decoded PIL, `{"bytes", "path"}` dict, raw bytes or a path) -> RGB PIL image."""
+    if isinstance(value, Image.Image):
+        return pil_to_rgb(value)
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return load_rgb(value["bytes"], value.get("path") or name)
+        if value.get("path"):
+            return load_rgb(value["path"])
+    if isinstance(value, (bytes, bytearray)):
+        return load_rgb(bytes(value), name)
+    if isinstance(value, str):
+        return load_rgb(value)
+    raise BadImageError(f"{name}: cannot make an image of a {type(value).__name__}")
+
+
+class HFImageDataset(Dataset):
+    """Map-style adapter: row i -> (transformed image, label)."""
+
+    def __init__(self, ds: Any, image_column: str, label_column: str, transform: Any, name: str) -> None:
+        self.ds = ds.select_columns([image_column, label_column])
+        self.image_column, self.label_column = image_column, label_column
+        self.transform, self.name = transform, name
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        where = f"{self.name} row {index}"
+        try:
+            row = self.ds[int(index)]
+        except Exception as exc:  # the Image feature decodes on access
+            raise BadImageError(f"cannot read {where}: {type(exc).__name__}: {exc}") from exc
+        img = to_pil(row[self.image_column], where)
+        return self.transform(img), int(row[self.label_column])
+
+
+class HFIterableImageDataset(IterableDataset):
+    """Streaming adapter; the wrapped HF IterableDataset splits itself over DataLoader workers."""
+
+    def __init__(self, ds: Any, image_column: str, label_column: str, transform: Any, name: str) -> None:
+        super().__init__()
+        self.ds = ds.select_columns([image_column, label_column])
+        self.image_column, self.label_column = image_column, label_column
+        self.transform, self.name = transform, name
+
+    def set_epoch(self, epoch: int) -> None:
+        self.ds.set_epoch(epoch)  # HF keeps it in shared memory for persistent workers
+
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        for i, row in enumerate(self.ds):
+            yield self.transform(to_pil(row[self.image_column], f"{self.name} item {i}")), int(row[self.label_column])
+
+
+class HFDataModule(ImageDataModule):
+    """Image classification from a Hugging Face dataset.
+
+    `path`/`name`/`data_dir`/`data_files`/`cache_dir` go to `datasets.load_dataset`. Class names come
+    from the label column's ClassLabel feature (else `num_classes`, else the largest label + 1).
+    When `val_split` is None or absent, `val_fraction` of the train split is held out (stratified by
+    label when possible, seeded by `seed`). Streaming needs a real `val_split` (or `val_fraction=0`).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        image_column: str = "image",
+        label_column: str = "label",
+        train_split: str = "train",
+        val_split: str | None = "validation",
+        data_dir: str | None = None,
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        cache_dir: str | None = None,
+        streaming: bool = False,
+        val_fraction: float = 0.02,
+        shuffle_buffer: int = 1000,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.path, self.name = path, name
+        self.image_column, self.label_column = image_column, label_column
+        self.train_split, self.val_split = train_split, val_split
+        self.data_dir, self.data_files, self.cache_dir = data_dir, data_files, cache_dir
+        self.streaming, self.val_fraction, self.shuffle_buffer = streaming, val_fraction, shuffle_buffer
+        self._dd: Any = None
+        self._splits: tuple[Any, Any] | None = None
+
+    def _describe(self) -> str:
+        return self.path + (f"/{self.name}" if self.name else "") + (f" ({self.data_dir})" if self.data_dir else "")
+
+    def _load(self) -> Any:
+        if self._dd is None:
+            import datasets
+
+            self._dd = datasets.load_dataset(
+                self.path, self.name, data_dir=self.data_dir, data_files=self.data_files,
+                cache_dir=self.cache_dir, streaming=self.streaming,
+            )  # fmt: skip
+            if not hasattr(self._dd, "keys"):  # a single split came back
+                self._dd = {self.train_split: self._dd}
+        return self._dd
+
+    def prepare_data(self) -> None:
+        self._load()  # downloads / builds the arrow cache once per node
+
+    def _raw_splits(self) -> tuple[Any, Any]:
+        """(train, val or None) as HF datasets, the held-out split applied."""
+        if self._splits is not None:
+            return self._splits
+        dd = self._load()
+        if self.train_split not in dd:
+            raise ValueError(f"{self._describe()} has no split {self.train_split!r}; it has {sorted(dd)}")
+        train = dd[self.train_split]
+        features = train.features or {}
+        for col in (self.image_column, self.label_column):
+            if features and col not in features:
+                raise ValueError(f"{self._describe()} has no column {col!r}; its columns are {sorted(features)}")
+        if self.val_split is not None and self.val_split in dd:
+            val = dd[self.val_split]
+        elif self.val_fraction == 0:
+            val = None
+        elif self.streaming:
+            raise ValueError(
+                f"{self._describe()} has no split {self.val_split!r} (has {sorted(dd)}) and a streaming dataset "
+                "cannot be held out from; set val_split to an existing split or val_fraction=0"
+            )
+        else:
+            log.info("%s: no %r split, holding out %.1f%% of %r", self._describe(), self.val_split,
+                     100 * self.val_fraction, self.train_split)  # fmt: skip
+            kw: dict[str, Any] = dict(test_size=self.val_fraction, seed=self.seed)
+            stratify = self.label_column if self._label_feature_names() is not None else None
+            try:
+                parts = train.train_test_split(stratify_by_column=stratify, **kw)
+            except ValueError:  # too few samples per class to stratify
+                parts = train.train_test_split(**kw)
+            train, val = parts["train"], parts["test"]
+        self._splits = (train, val)
+        return self._splits
+
+    def _label_feature_names(self) -> list[str] | None:
+        train = self._load()[self.train_split]
+        feature = (train.features or {}).get(self.label_column)
+        return list(feature.names) if hasattr(feature, "names") else None
+
+    def _discover_class_names(self) -> list[str]:
+        self._class_where = self._describe()
+        names = self._label_feature_names()
+        if names is not None:
+            return names
+        if self._num_classes_arg is not None:
+            return [str(i) for i in range(self._num_classes_arg)]
+        if self.streaming:
+            raise ValueError(
+                f"{self._describe()}: label column {self.label_column!r} is not a ClassLabel; give num_classes"
+            )
+        labels = self._load()[self.train_split][self.label_column]
+        return [str(i) for i in range(int(max(labels)) + 1)]
+
+    def _wrap(self, ds: Any, train: bool) -> Any:
+        transform = self.train_transform() if train else self.eval_transform()
+        split = self.train_split if train else (self.val_split or "held-out")
+        label = f"{self._describe()}[{split}]"
+        if not self.streaming:
+            return HFImageDataset(ds, self.image_column, self.label_column, transform, label)
+        from datasets.distributed import split_dataset_by_node
+
+        if self.world_size > 1:
+            ds = split_dataset_by_node(ds, rank=self.global_rank, world_size=self.world_size)
+        if train:
+            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
+        return HFIterableImageDataset(ds, self.image_column, self.label_column, transform, label)
+
+    def _setup_datasets(self, stage: str | None) -> None:
+        if self.train_dataset is not None:
+            return
+        train, val = self._raw_splits()
+        self.train_dataset = self._wrap(train, train=True)
+        self.val_dataset = None if val is None else self._wrap(val, train=False)
+
+    def _loader(self, dataset: Any, train: bool) -> DataLoader:
+        if not isinstance(dataset, IterableDataset):
+            return super()._loader(dataset, train)
+        workers = self.resolved_num_workers
+        trainer = self._trainer()
+        return EpochLoader(
+            dataset,
+            batch_size=self.per_device_batch_size,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers > 0,
+            collate_fn=self.train_collate() if train else None,
+            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
+        )

@@ -1,0 +1,523 @@
+"""webdataset shards (`.tar` / `.tar.gz`): the streaming path, from CIFAR-sized to ImageNet-21k-sized.
+
+Splitting (ShardStream): each epoch the shards are put in an order seeded by (seed, epoch), the same
+on every process, and their samples are seen as one concatenated sequence of N. Rank r reads the
+contiguous range [r*L, (r+1)*L) with L = N // world_size, and its DataLoader workers cut that range
+into contiguous pieces of whole batches (one worker also takes the final partial batch). So:
+
+- every sample is read by exactly one rank x worker; a piece is mostly whole shards, and a shard
+  that straddles two pieces is read by both, each skipping (without decoding) the other's samples;
+- every rank yields exactly L samples, so ceil(L / per-device batch) batches: `len(dataloader)` is
+  right and DDP ranks never wait on one another at an epoch's end;
+- the N % world_size samples at the end of the epoch's order (at most world_size - 1) are DROPPED,
+  a different few each epoch since the order changes. Nothing is padded or repeated.
+
+Why not whole shards per rank x worker: unless all shards hold the same count and their number
+divides by ranks x workers, ranks would get different sample counts (a DDP hang at the epoch's end,
+or whole shards dropped or repeated). The range split serves any shard count, more or fewer than
+ranks x workers, at the cost of at most one partly skipped shard per piece.
+
+This needs the per-shard sample counts up front: one pass reading the tar headers and keys (about
+0.2 s per CIFAR shard; cached per process), or for huge collections `num_samples` (all shards full
+but the last, as webdataset's ShardWriter writes them, checked while reading). A held-out
+validation split (no `val_shards`) is chosen by hashing each sample's key.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import webdataset as wds
+from braceexpand import braceexpand
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from vitlab.data.base import (
+    BadImageError,
+    EpochLoader,
+    ImageDataModule,
+    SharedCounter,
+    available_cpus,
+    load_rgb,
+    per_device_batch,
+)
+from vitlab.data.folder import name_hash
+
+log = logging.getLogger("vitlab.data")
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+LABEL_KEYS = ("cls",)
+Part = Literal["all", "train", "val"]
+
+
+def _is_remote(spec: str) -> bool:
+    return "://" in spec or spec.startswith("pipe:")
+
+
+def expand_shards(spec: str) -> list[str]:
+    """A directory, a glob, a brace pattern (`a-{000000..000009}.tar`), or several joined by '::'."""
+    urls: list[str] = []
+    for part in spec.split("::"):
+        part = part.strip()
+        if not part:
+            continue
+        if _is_remote(part):
+            urls += list(braceexpand(part))
+            continue
+        part = os.path.expanduser(part)
+        if os.path.isdir(part):
+            found = sorted(str(p) for p in Path(part).iterdir() if p.name.endswith(SHARD_SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"no {'/'.join(SHARD_SUFFIXES)} shards in folder {part}")
+            urls += found
+            continue
+        for name in braceexpand(part):
+            matches = sorted(glob.glob(name)) if glob.has_magic(name) else [name] if os.path.exists(name) else []
+            if not matches:
+                raise FileNotFoundError(
+                    f"no shard matches {name!r} (from {spec!r}); give a folder, glob or brace pattern"
+                )
+            urls += matches
+    if not urls:
+        raise FileNotFoundError(f"no shards in {spec!r}")
+    return urls
+
+
+def key_in_val(key: str, val_fraction: float) -> bool:
+    """Deterministic held-out membership from the key alone (stable across ranks, runs and shard order)."""
+    return name_hash(key) < val_fraction * 2.0**64
+
+
+def _in_part(key: str, part: Part, val_fraction: float) -> bool:
+    if part == "all":
+        return True
+    return key_in_val(key, val_fraction) == (part == "val")
+
+
+def _raw_samples(url: str) -> Iterator[dict[str, Any]]:
+    """Samples of one shard as dicts of raw bytes (`__key__`, `jpg`, `cls`, ...), via webdataset."""
+    it = wds.tariterators.tarfile_samples([{"url": url}])
+    try:
+        while True:
+            try:
+                sample = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise RuntimeError(f"cannot read shard {url}: {type(exc).__name__}: {exc}") from exc
+            yield sample
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def sample_label(sample: dict[str, Any]) -> int:
+    for k in LABEL_KEYS:
+        if k in sample:
+            try:
+                return int(sample[k].decode().strip() if isinstance(sample[k], bytes) else sample[k])
+            except ValueError:
+                where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
+                raise ValueError(f"{where}: bad label {sample[k]!r}") from None
+    raise KeyError(f"sample {sample.get('__key__')} in {sample.get('__url__')} has no .cls label (has {_exts(sample)})")
+
+
+def sample_image(sample: dict[str, Any]) -> bytes:
+    for k in IMAGE_KEYS:
+        if k in sample:
+            return sample[k]
+    where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
+    raise KeyError(f"{where} has no image ({'/'.join(IMAGE_KEYS)}); has {_exts(sample)}")
+
+
+def _exts(sample: dict[str, Any]) -> str:
+    return ", ".join(k for k in sample if not k.startswith("__")) or "nothing"
+
+
+@dataclass(frozen=True)
+class ShardCounts:
+    total: int
+    train: int  # samples whose key hashes outside the held-out fraction
+    val: int
+    max_label: int
+
+    def of(self, part: Part) -> int:
+        return {"all": self.total, "train": self.train, "val": self.val}[part]
+
+
+_INDEX_CACHE: dict[tuple, ShardCounts] = {}
+
+
+def _count_shard(url: str, val_fraction: float) -> ShardCounts:
+    cache_key: tuple = (url, val_fraction)
+    if not _is_remote(url):
+        st = os.stat(url)
+        cache_key += (st.st_size, st.st_mtime_ns)
+    if cache_key in _INDEX_CACHE:
+        return _INDEX_CACHE[cache_key]
+    total = val = 0
+    max_label = -1
+    for sample in _raw_samples(url):
+        sample_image(sample)  # every sample must have an image; fail at indexing, not mid-epoch
+        max_label = max(max_label, sample_label(sample))
+        total += 1
+        val += val_fraction > 0 and key_in_val(sample["__key__"], val_fraction)
+    counts = ShardCounts(total, total - val, val, max_label)
+    _INDEX_CACHE[cache_key] = counts
+    return counts
+
+
+def index_shards(urls: list[str], val_fraction: float = 0.0) -> list[ShardCounts]:
+    """Per-shard sample counts (and held-out split counts), read in a few threads (zlib frees the GIL)."""
+    threads = max(1, min(len(urls), available_cpus(), 8))
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda u: _count_shard(u, val_fraction), urls))
+
+
+def assumed_counts(num_samples: int, num_shards: int) -> list[int]:
+    """Counts for shards all full but the last (ShardWriter's output), without reading them."""
+    per = -(-num_samples // num_shards)
+    last = num_samples - per * (num_shards - 1)
+    if last <= 0:
+        raise ValueError(
+            f"num_samples={num_samples} cannot fill {num_shards} shards as all-full-but-the-last; "
+            "leave num_samples unset to have the shards counted"
+        )
+    return [per] * (num_shards - 1) + [last]
+
+
+def split_range(
+    total: int, rank: int, world_size: int, worker: int, num_workers: int, batch_size: int | None
+) -> tuple[int, int]:
+    """[start, stop) of the epoch's concatenated sample sequence that (rank, worker) reads.
+
+    Each rank gets total // world_size samples; inside a rank, workers get contiguous pieces of
+    whole batches (round-robin counts, as the DataLoader fetches), the partial batch going to the
+    worker whose turn is next, so the rank yields ceil(per_rank / batch_size) batches.
+    """
+    per_rank = total // world_size
+    if batch_size:
+        full, rem = divmod(per_rank, batch_size)
+        sizes = [(full // num_workers + (w < full % num_workers)) * batch_size for w in range(num_workers)]
+        sizes[full % num_workers] += rem
+    else:
+        sizes = [per_rank // num_workers + (w < per_rank % num_workers) for w in range(num_workers)]
+    start = rank * per_rank + sum(sizes[:worker])
+    return start, start + sizes[worker]
+
+
+class ShardDecoder:
+    """Raw sample -> (transformed image, label); picklable for DataLoader workers."""
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
+        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        img = load_rgb(sample_image(sample), name)
+        return (self.transform(img) if self.transform is not None else img), sample_label(sample)
+
+
+class ShardStream(IterableDataset):
+    """One rank's view of a set of shards for one split; see the module docstring for the split.
+
+    `decoder=None` yields `(key, label)` without decoding any image (indexing, tests, statistics).
+    `set_epoch` writes to shared memory, so persistent DataLoader workers see the new epoch.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        counts: list[int],
+        *,
+        part: Part = "all",
+        val_fraction: float = 0.0,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+        decoder: Callable[[dict[str, Any]], Any] | None = None,
+        num_classes: int | None = None,
+        skip_bad_images: bool = False,
+        counter: SharedCounter | None = None,
+    ) -> None:
+        super().__init__()
+        if len(urls) != len(counts):
+            raise ValueError(f"{len(urls)} shards but {len(counts)} counts")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.urls, self.counts = list(urls), list(counts)
+        self.total = sum(self.counts)
+        if self.total < world_size:
+            raise ValueError(f"{self.total} samples cannot be split over {world_size} ranks")
+        self.part, self.val_fraction = part, val_fraction
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
+        self.decoder, self.num_classes = decoder, num_classes
+        self.skip_bad_images = skip_bad_images
+        self.counter = counter or SharedCounter()  # skips, summed over this rank's workers
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def bad_image_count(self) -> int:
+        """Bad samples skipped so far; each is met once per epoch, so this grows with epochs."""
+        return self.counter.value
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (the same on every rank)."""
+        return self.total // self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.fill_(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def shard_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.urls)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)  # same on every rank and worker
+        return order
+
+    def pieces(self, epoch: int, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int, int]]:
+        """(shard index, first, stop) in-part sample positions this rank x worker reads, in order."""
+        a, b = split_range(self.total, self.rank, self.world_size, worker, num_workers, self.batch_size)
+        out, pos = [], 0
+        for s in self.shard_order(epoch):
+            n = self.counts[s]
+            lo, hi = max(a, pos), min(b, pos + n)
+            if lo < hi:
+                out.append((s, lo - pos, hi - pos))
+            pos += n
+        return out
+
+    def _read_piece(self, s: int, first: int, stop: int) -> Iterator[dict[str, Any]]:
+        url, i = self.urls[s], 0
+        samples = _raw_samples(url)
+        try:
+            for sample in samples:
+                if not _in_part(sample["__key__"], self.part, self.val_fraction):
+                    continue
+                if i >= stop:  # a sample past the indexed count: the shard changed since it was counted
+                    raise RuntimeError(
+                        f"shard {url} holds more than the {self.counts[s]} samples it was indexed with "
+                        "(num_samples wrong, or the file changed); leave num_samples unset to recount"
+                    )
+                if i >= first:
+                    yield sample
+                i += 1
+                if i == stop and stop < self.counts[s]:
+                    return  # the rest of the shard belongs to another rank/worker
+        finally:
+            samples.close()
+        if i < stop:
+            raise RuntimeError(
+                f"shard {url} ended after {i} samples but was indexed with {self.counts[s]} "
+                "(num_samples wrong, or the file changed); leave num_samples unset to recount"
+            )
+
+    def _label_checked(self, sample: dict[str, Any]) -> int:
+        label = sample_label(sample)
+        if self.num_classes is not None and not 0 <= label < self.num_classes:
+            where = f"sample {sample['__key__']} in {sample['__url__']}"
+            raise ValueError(f"{where}: label {label} outside [0, {self.num_classes})")
+        return label
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        epoch = self.epoch
+        pieces = self.pieces(epoch, worker, num_workers)
+        raw: Iterator[dict[str, Any]] = (sample for piece in pieces for sample in self._read_piece(*piece))
+        if self.shuffle and self.shuffle_buffer > 1:
+            rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}")
+            raw = wds.filters.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(raw)
+        if self.decoder is None:
+            for sample in raw:
+                yield sample["__key__"], self._label_checked(sample)
+            return
+        yield from self._decoded(raw)
+
+    def _decoded(self, raw: Iterator[dict[str, Any]]) -> Iterator[Any]:
+        # A skipped image's slot is refilled by re-augmenting the last good sample: the per-rank
+        # sample count must not change, or DDP ranks would disagree on the number of batches.
+        last_good, owed = None, 0
+        for sample in raw:
+            self._label_checked(sample)
+            try:
+                out = self.decoder(sample)
+            except BadImageError as exc:
+                if not self.skip_bad_images:
+                    raise
+                self.counter.add()
+                log.warning("skipping bad image %s:%s (%s)", sample["__url__"], sample["__key__"], exc.__cause__ or exc)
+                if last_good is None:
+                    owed += 1
+                else:
+                    yield self.decoder(last_good)
+                continue
+            last_good = sample
+            yield out
+            for _ in range(owed):
+                yield self.decoder(last_good)
+            owed = 0
+        if owed:
+            raise BadImageError(f"no decodable image in this worker's {owed} samples of {self.urls}")
+
+
+def read_classes_txt(path: Path) -> list[str] | None:
+    if not path.is_file():
+        return None
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+class ShardDataModule(ImageDataModule):
+    """Image classification from webdataset shards: `KEY.jpg|jpeg|png|webp` + `KEY.cls` per sample.
+
+    `train_shards` / `val_shards`: a folder, glob or brace pattern (several joined with '::').
+    Class names come from `classes.txt` beside the train shards, else `num_classes` or the labels.
+    Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out.
+    `num_samples` (train samples in all shards) skips counting the train shards; see the module doc.
+    Rank and world size come from the trainer / torch.distributed; `dataset()` also takes them
+    explicitly.
+    """
+
+    def __init__(
+        self,
+        train_shards: str,
+        val_shards: str | None = None,
+        val_fraction: float = 0.02,
+        shuffle_buffer: int = 1000,
+        num_samples: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1 or None, got {num_samples}")
+        self.train_shards, self.val_shards = train_shards, val_shards
+        self.val_fraction, self.shuffle_buffer, self.num_samples = val_fraction, shuffle_buffer, num_samples
+        self._train_urls: list[str] | None = None
+        self._index: dict[str, tuple[list[str], list[int], Part, float]] | None = None
+
+    @property
+    def held_out(self) -> bool:
+        return self.val_shards is None and self.val_fraction > 0
+
+    def _urls(self) -> list[str]:
+        if self._train_urls is None:
+            self._train_urls = expand_shards(self.train_shards)
+        return self._train_urls
+
+    def _discover_class_names(self) -> list[str]:
+        urls = self._urls()
+        if not _is_remote(urls[0]):
+            txt = Path(urls[0]).parent / "classes.txt"
+            names = read_classes_txt(txt)
+            if names is not None:
+                self._class_where = str(txt)
+                return names
+        if self._num_classes_arg is not None:
+            return [str(i) for i in range(self._num_classes_arg)]
+        if self.num_samples is not None and not self.held_out:
+            raise ValueError(
+                f"no classes.txt beside {urls[0]} and num_classes not given; with num_samples set the shards "
+                "are not read ahead, so give num_classes (or a classes.txt, one name per line)"
+            )
+        counts = index_shards(urls, self.val_fraction if self.held_out else 0.0)
+        return [str(i) for i in range(max(c.max_label for c in counts) + 1)]
+
+    def _build_index(self) -> dict[str, tuple[list[str], list[int], Part, float]]:
+        if self._index is not None:
+            return self._index
+        urls, names = self._urls(), self.class_names
+        index: dict[str, tuple[list[str], list[int], Part, float]] = {}
+        if self.held_out:
+            counts = index_shards(urls, self.val_fraction)
+            index["train"] = (urls, [c.train for c in counts], "train", self.val_fraction)
+            index["val"] = (urls, [c.val for c in counts], "val", self.val_fraction)
+            max_label = max(c.max_label for c in counts)
+        else:
+            if self.num_samples is not None:
+                index["train"] = (urls, assumed_counts(self.num_samples, len(urls)), "all", 0.0)
+                max_label = -1  # checked per sample while reading
+            else:
+                counts = index_shards(urls)
+                index["train"] = (urls, [c.total for c in counts], "all", 0.0)
+                max_label = max(c.max_label for c in counts)
+            if self.val_shards is not None:
+                vurls = expand_shards(self.val_shards)
+                vcounts = index_shards(vurls)
+                index["val"] = (vurls, [c.total for c in vcounts], "all", 0.0)
+                max_label = max(max_label, max(c.max_label for c in vcounts))
+        if max_label >= len(names):
+            raise ValueError(f"shard labels go up to {max_label} but there are {len(names)} classes ({names[:5]}...)")
+        for split, (_, counts_, _, _) in index.items():
+            log.info("%s: %s split has %d samples in %d shards", type(self).__name__, split, sum(counts_), len(counts_))
+        self._index = index
+        return index
+
+    def dataset(
+        self,
+        split: Literal["train", "val"] = "train",
+        rank: int | None = None,
+        world_size: int | None = None,
+        decode: bool = True,
+        batch_size: int | None = None,
+    ) -> ShardStream | None:
+        """One rank's stream of `split` (None for val when there is no validation data).
+
+        rank/world_size default to the trainer's or torch.distributed's; batch_size (for whole-batch
+        worker pieces) to the per-device batch. `decode=False` yields (key, label) only.
+        """
+        index = self._build_index()
+        if split not in index:
+            return None
+        urls, counts, part, vf = index[split]
+        ws = self.world_size if world_size is None else world_size
+        train = split == "train"
+        return ShardStream(
+            urls, counts, part=part, val_fraction=vf,
+            rank=self.global_rank if rank is None else rank, world_size=ws,
+            batch_size=batch_size or per_device_batch(self.batch_size, ws),
+            shuffle=train, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
+            decoder=ShardDecoder(self.train_transform() if train else self.eval_transform()) if decode else None,
+            num_classes=self.num_classes, skip_bad_images=self.skip_bad_images,
+        )  # fmt: skip
+
+    def _setup_datasets(self, stage: str | None) -> None:
+        if self.train_dataset is not None:
+            return
+        self.train_dataset = self.dataset("train")
+        self.val_dataset = self.dataset("val")
+
+    def _current_epoch(self) -> int:
+        trainer = self._trainer()
+        return int(trainer.current_epoch) if trainer is not None else 0
+
+    def _loader(self, dataset: Any, train: bool) -> DataLoader:
+        workers = self.resolved_num_workers
+        trainer = self._trainer()
+        return EpochLoader(
+            dataset,
+            batch_size=dataset.batch_size,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers > 0,
+            collate_fn=self.train_collate() if train else None,
+            epoch_fn=self._current_epoch if trainer is not None else None,
+        )
