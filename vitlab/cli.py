@@ -7,15 +7,20 @@ that work on a finished checkpoint are plain subcommands: `predict`, `explain`, 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import inspect
 import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from vitlab.data import ImageDataModule
+from vitlab.models import VisionTransformer
 from vitlab.train import ViTClassifier
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
@@ -69,6 +74,8 @@ class VitlabCLI(LightningCLI):
         parser.link_arguments("data.data_config", "model.data_config", apply_on="instantiate")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        args = _expand_data_path(list(sys.argv[1:] if args is None else args))
+        _check_config_args(args)
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -111,6 +118,52 @@ def _expand_data_path(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def _init_params(cls: type) -> list[str]:
+    """Constructor argument names of a class and, through `**kwargs`, of its bases."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
+def _reject_unknown(where: str, keys: Any, valid: list[str]) -> None:
+    for key in keys or {}:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SystemExit(f"error: unknown key {where}.{key}; {hint}valid keys: {', '.join(valid)}")
+
+
+def check_recipe(path: str) -> None:
+    """Reject recipe typos early, naming the key and listing the valid ones."""
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    _reject_unknown(path, cfg, ["seed_everything", "trainer", "model", "data", "run_dir", "loggers",
+                                "optimizer", "lr_scheduler", "ckpt_path", "weights_only"])  # fmt: skip
+    _reject_unknown(f"{path}: trainer", cfg.get("trainer"), _init_params(Trainer))
+    model = cfg.get("model") or {}
+    _reject_unknown(f"{path}: model", model, _init_params(ViTClassifier))
+    _reject_unknown(f"{path}: model.model_args", model.get("model_args"), _init_params(VisionTransformer))
+    data = cfg.get("data") or {}
+    if isinstance(data, dict) and isinstance(data.get("class_path"), str):
+        module, _, name = data["class_path"].rpartition(".")
+        data_cls = getattr(importlib.import_module(module), name)
+        _reject_unknown(f"{path}: data.init_args", data.get("init_args"), _init_params(data_cls))
+
+
+def _check_config_args(argv: list[str]) -> None:
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            check_recipe(argv[i + 1])
+        elif arg.startswith("--config="):
+            check_recipe(arg.split("=", 1)[1])
 
 
 def _tool_parser() -> argparse.ArgumentParser:
@@ -158,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if argv and argv[0] in TOOLS:
         return run_tool(argv)
-    VitlabCLI(args=_expand_data_path(argv))
+    VitlabCLI(args=argv)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 from vitlab.models.vit import VisionTransformer
@@ -32,4 +34,15 @@ def variant_config(name: str) -> dict[str, Any]:
 
 def create_model(name: str, **overrides: Any) -> VisionTransformer:
     """Build a named variant; every constructor argument of `VisionTransformer` can be overridden."""
+    check_model_args(overrides)
     return VisionTransformer(**{**variant_config(name), **overrides})
+
+
+def check_model_args(args: dict[str, Any]) -> None:
+    """Reject unknown model arguments (recipe typos) with the valid names listed."""
+    valid = [p for p in inspect.signature(VisionTransformer.__init__).parameters if p != "self"]
+    for key in args:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown model argument {key!r}; {hint}valid arguments: {', '.join(valid)}")
