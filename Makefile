@@ -47,6 +47,7 @@ dashboard: install
 
 bench: install
 	$(PY) bench/bench_model.py $(BENCH_ARGS)
+	$(PY) bench/bench_pipeline.py --data $(or $(DATA),$(SHARED_SUBSET))
 
 bench-accuracy: install
 	$(PY) bench/bench_accuracy.py --data $(or $(DATA),$(SHARED_SUBSET)) $(BENCH_ARGS)
