@@ -1,5 +1,6 @@
 """vitlab: pretrain a Vision Transformer, then fine-tune it at a higher resolution."""
 
+from vitlab.data.transforms import eval_transform
 from vitlab.interop import load_pretrained, save_pretrained
 from vitlab.models import VisionTransformer, create_model, list_models, resample_pos_embed
 
@@ -8,6 +9,7 @@ __version__ = "0.1.0"
 __all__ = [
     "VisionTransformer",
     "create_model",
+    "eval_transform",
     "list_models",
     "load_pretrained",
     "resample_pos_embed",
