@@ -166,12 +166,19 @@ def _check_config_args(argv: list[str]) -> None:
             check_recipe(arg.split("=", 1)[1])
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _tool_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitlab", description="vitlab checkpoint tools")
     sub = parser.add_subparsers(dest="tool", required=True)
     p = sub.add_parser("predict", help="print the top-k classes for images")
     p.add_argument("--ckpt", required=True, help="checkpoint (any format load_pretrained reads)")
-    p.add_argument("--topk", type=int, default=5)
+    p.add_argument("--topk", type=_positive_int, default=5)
     p.add_argument("images", nargs="+")
     p = sub.add_parser("explain", help="attention rollout heat-map and top-5 predictions for one image")
     p.add_argument("--ckpt", required=True)

@@ -126,8 +126,8 @@ class ImageDataModule(L.LightningDataModule):
     """Base image-classification DataModule; see the module docstring.
 
     `batch_size` is the global batch: each process loads `batch_size // world_size`. Eval preprocessing
-    is Resize(img_size / crop_pct) + CenterCrop(img_size); 32px sources default to crop_pct=1.0,
-    i.e. a plain resize, because cropping a 32px image loses a tenth of an already tiny picture.
+    is Resize(img_size / crop_pct) + CenterCrop(img_size). For 32px sources set crop_pct=1.0 (a plain
+    resize; `CIFARDataModule` does so by default): cropping a tiny picture loses a tenth of it.
     """
 
     def __init__(
