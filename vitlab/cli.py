@@ -67,6 +67,10 @@ class VitlabCLI(LightningCLI):
         parser.add_argument(
             "--loggers", type=list[LoggerName], default=["tensorboard", "csv"], help="Experiment trackers to use."
         )
+        parser.add_argument(
+            "--checkpoint_every_n_steps", type=int | None, default=None,
+            help="Also save <run_dir>/checkpoints/last.ckpt every N optimizer steps (a kill loses at most N).",
+        )  # fmt: skip
         # The data decides what the model predicts and how its inputs look.
         parser.link_arguments("data.init_args.img_size", "model.img_size")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -79,7 +83,7 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        from vitlab.train.run import run_callbacks, run_loggers
+        from vitlab.train.run import run_callbacks, run_loggers, run_plugins
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
@@ -87,7 +91,11 @@ class VitlabCLI(LightningCLI):
             kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self._get(self.config, "ckpt_path"))
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
-        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing)]
+        every_n = self._get(self.config, "checkpoint_every_n_steps")
+        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing, every_n)]
+        plugins = trainer_cfg.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        kwargs["plugins"] = [*plugins, *run_plugins(plugins)]
         kwargs["default_root_dir"] = str(run_dir)
         return super().instantiate_trainer(**kwargs)
 

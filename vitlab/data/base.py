@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.transforms import (
     DEFAULT_MEAN,
@@ -78,7 +79,7 @@ def load_rgb(src: str | os.PathLike | bytes, name: str | None = None) -> Image.I
         raise BadImageError(f"cannot decode image {name}: {type(exc).__name__}: {exc}") from exc
 
 
-class EpochLoader(DataLoader):
+class EpochLoader(StatefulDataLoader):
     """DataLoader that hands an iterable dataset its epoch (`dataset.set_epoch`) before each pass.
 
     Lightning sets epochs only on samplers, which an IterableDataset has none of; `epoch_fn` (the
@@ -317,7 +318,9 @@ class ImageDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.resolved_num_workers
-        return DataLoader(
+        # Lightning checkpoints a StatefulDataLoader's position, so a mid-epoch resume continues exactly.
+        loader_cls = StatefulDataLoader if train else DataLoader
+        return loader_cls(
             dataset,
             batch_size=self.per_device_batch_size,
             shuffle=train,

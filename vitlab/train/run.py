@@ -9,9 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+
+from vitlab.train.fault import (
+    AtomicCheckpointIO, ExactResume, LastCheckpoint, NonFiniteGuard, RedactSecrets, RunDirCheck, check_run_dir,
+    keep_argv_out_of_trackers,
+)  # fmt: skip
 
 log = logging.getLogger("vitlab")
 
@@ -75,14 +81,49 @@ class RememberWandbRun(Callback):
                 checkpoint[WANDB_ID_KEY] = logger.version
 
 
-def run_callbacks(run_dir: str | Path, existing: Sequence[Callback]) -> list[Callback]:
-    """Callbacks every run needs that the recipe did not already configure."""
+def run_callbacks(
+    run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None
+) -> list[Callback]:
+    """Callbacks every run needs that the recipe did not already configure.
+
+    The best checkpoint (by val/acc1) and `LastCheckpoint`, the single writer of last.ckpt (after every
+    validation, every `every_n_train_steps` steps when given, and on SIGTERM/SIGUSR1), both in
+    `<run_dir>/checkpoints`; the non-finite loss guard, RNG-state checkpointing for exact resume,
+    secret redaction and the run-folder/disk-space check. Fails now if `run_dir` is not writable.
+    """
+    check_run_dir(run_dir)  # before any logger or callback writes into it
+    keep_argv_out_of_trackers()  # before wandb starts and records the command line
     extra: list[Callback] = [RememberWandbRun()]
-    if not any(isinstance(cb, ModelCheckpoint) for cb in existing):
+
+    def has(kind: type) -> bool:
+        return any(isinstance(cb, kind) for cb in existing)
+
+    if not any(isinstance(cb, ModelCheckpoint) and not isinstance(cb, LastCheckpoint) for cb in existing):
         extra.append(
             ModelCheckpoint(
                 dirpath=str(checkpoint_dir(run_dir)), filename="best-epoch{epoch:03d}", auto_insert_metric_name=False,
-                monitor="val/acc1", mode="max", save_top_k=1, save_last=True,
+                monitor="val/acc1", mode="max", save_top_k=1, save_last=False,  # last.ckpt: LastCheckpoint
             )  # fmt: skip
         )
+    if not any(isinstance(cb, ModelCheckpoint) and cb.save_last for cb in existing):
+        extra.append(LastCheckpoint(dirpath=str(checkpoint_dir(run_dir)), every_n_train_steps=every_n_train_steps))
+    elif every_n_train_steps and not has(LastCheckpoint):
+        log.warning(
+            "the recipe's ModelCheckpoint writes last.ckpt, so checkpoint_every_n_steps=%d is not applied; "
+            "use vitlab.train.fault.LastCheckpoint(every_n_train_steps=...) in its place",
+            every_n_train_steps,
+        )
+    for kind in (NonFiniteGuard, ExactResume, RedactSecrets):
+        if not has(kind):
+            extra.append(kind())
+    if not has(RunDirCheck):
+        extra.append(RunDirCheck(run_dir))
     return extra
+
+
+def run_plugins(existing: Sequence[Any] | None = None) -> list[Any]:
+    """Trainer plugins every run needs that the recipe did not configure: `AtomicCheckpointIO`
+    (temp file + fsync + rename, safe `weights_only=True` loading) unless a CheckpointIO is given."""
+    if any(isinstance(p, CheckpointIO) for p in existing or []):
+        return []
+    return [AtomicCheckpointIO()]
