@@ -4,9 +4,8 @@ early, checkpoints load safely, and no credential lands in a run's files.
 Training runs go through the real CLI: as a subprocess wherever a signal or a kill is involved, in-process
 (`vitlab.cli.main`) elsewhere. Tiny ViT, 3 CIFAR classes x 20 images, CPU, num_workers=0.
 
-The subprocesses import this module (PYTHONPATH=tests/) for two helpers: a DataModule whose train loader is
-a StatefulDataLoader (`stateful_loader`, the change `ImageDataModule` itself needs for exact mid-epoch
-resume) and a checkpoint writer that pauses halfway through each write, so a kill lands mid-write.
+The subprocesses import this module (PYTHONPATH=tests/) for a checkpoint writer that pauses halfway through
+each write, so a kill lands mid-write.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ import torch
 import yaml
 
 from vitlab.data import ImageFolderDataModule
-from vitlab.train.fault import (
-    REDACTED, AtomicCheckpointIO, CheckpointLoadError, NonFiniteLossError, RunDirError, is_temp_checkpoint, redact,
-    secret_values, stateful_loader,
-)  # fmt: skip
+from vitlab.train.checkpointing import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
+from vitlab.train.guards import NonFiniteLossError, RunDirError
+from vitlab.train.redaction import REDACTED, redact, secret_values
 
 TESTS = Path(__file__).resolve().parent
 MODEL = {
@@ -49,13 +47,6 @@ SECRET = "secret123-wandb-Zq8v7TmLk2"
 
 
 # ---- helpers the CLI subprocesses import -------------------------------------------------------------
-
-
-class StatefulFolderDataModule(ImageFolderDataModule):
-    """ImageFolderDataModule whose train loader checkpoints its position (what the base class should do)."""
-
-    def train_dataloader(self) -> Any:
-        return stateful_loader(super().train_dataloader())
 
 
 class SlowAtomicIO(AtomicCheckpointIO):
@@ -88,19 +79,20 @@ def tiny_data(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def write_config(
-    path: Path, data_root: Path, *, epochs: int = EPOCHS, callbacks: list | None = None, stateful: bool = True,
+    path: Path, data_root: Path, *, epochs: int = EPOCHS, callbacks: list | None = None,
     plugins: str | None = None, deterministic: bool = True,
 ) -> Path:
     trainer: dict[str, Any] = {
         "accelerator": "cpu", "devices": 1, "max_epochs": epochs, "deterministic": deterministic,
         "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1,
         "callbacks": callbacks if callbacks is not None else [
-            {"class_path": "vitlab.train.fault.LastCheckpoint", "init_args": {"every_n_train_steps": SAVE_EVERY}}
+            {"class_path": "vitlab.train.checkpointing.LastCheckpoint",
+             "init_args": {"every_n_train_steps": SAVE_EVERY}}
         ],
     }  # fmt: skip
     if plugins:
         trainer["plugins"] = plugins
-    data_class = "test_reliability.StatefulFolderDataModule" if stateful else "vitlab.data.ImageFolderDataModule"
+    data_class = "vitlab.data.ImageFolderDataModule"
     config = {
         "seed_everything": 0,
         "trainer": trainer,
@@ -265,8 +257,7 @@ def test_atomic_io_keeps_the_old_file_when_a_write_fails(tmp_path: Path) -> None
 
 
 def test_datamodule_train_loader_is_stateful(tiny_data: Path) -> None:
-    """Exact mid-epoch resume needs a train loader with state_dict/load_state_dict (the kill test above
-    gets one through StatefulFolderDataModule until ImageDataModule provides it)."""
+    """Exact mid-epoch resume needs a train loader with state_dict/load_state_dict."""
     dm = ImageFolderDataModule(root=str(tiny_data), img_size=32, batch_size=8, num_workers=0)
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -345,10 +336,11 @@ def _poison(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> dict[str, Any]:
 
 
 def _nan_config(tmp_path: Path, data: Path, guard: dict | None) -> Path:
-    callbacks: list = [{"class_path": "vitlab.train.fault.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}]
+    last = {"class_path": "vitlab.train.checkpointing.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}
+    callbacks: list = [last]
     if guard is not None:
-        callbacks.append({"class_path": "vitlab.train.fault.NonFiniteGuard", "init_args": guard})
-    return write_config(tmp_path / "config.yaml", data, epochs=1, callbacks=callbacks, stateful=False,
+        callbacks.append({"class_path": "vitlab.train.guards.NonFiniteGuard", "init_args": guard})
+    return write_config(tmp_path / "config.yaml", data, epochs=1, callbacks=callbacks,
                         deterministic=False)  # fmt: skip
 
 
@@ -455,7 +447,7 @@ def test_secrets_never_land_in_run_files(tiny_data: Path, tmp_path: Path) -> Non
     # The secret is in the environment, and also part of a config value (the data path) on the command line.
     data = tmp_path / f"data-{SECRET}"
     data.symlink_to(tiny_data)
-    config = write_config(tmp_path / "config.yaml", tiny_data, epochs=1, stateful=False, deterministic=False)
+    config = write_config(tmp_path / "config.yaml", tiny_data, epochs=1, deterministic=False)
     run = tmp_path / "run"
     env = cli_env(WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET[::-1], WANDB_MODE="offline", WANDB_SILENT="true")
     cmd = fit_cmd(config, run, f"--data.init_args.root={data}", "--loggers=[tensorboard, csv, wandb]")

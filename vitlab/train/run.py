@@ -14,10 +14,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
-from vitlab.train.fault import (
-    AtomicCheckpointIO, ExactResume, LastCheckpoint, NonFiniteGuard, RedactSecrets, RunDirCheck, check_run_dir,
-    keep_argv_out_of_trackers,
-)  # fmt: skip
+from vitlab.train.checkpointing import AtomicCheckpointIO, ExactResume, LastCheckpoint
+from vitlab.train.guards import NonFiniteGuard, RunDirCheck, check_run_dir
+from vitlab.train.redaction import RedactSecrets, keep_argv_out_of_trackers
 
 log = logging.getLogger("vitlab")
 
@@ -110,7 +109,7 @@ def run_callbacks(
     elif every_n_train_steps and not has(LastCheckpoint):
         log.warning(
             "the recipe's ModelCheckpoint writes last.ckpt, so checkpoint_every_n_steps=%d is not applied; "
-            "use vitlab.train.fault.LastCheckpoint(every_n_train_steps=...) in its place",
+            "use vitlab.train.checkpointing.LastCheckpoint(every_n_train_steps=...) in its place",
             every_n_train_steps,
         )
     for kind in (NonFiniteGuard, ExactResume, RedactSecrets):

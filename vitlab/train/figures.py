@@ -1,0 +1,460 @@
+"""Figures a run logs while it trains: sample predictions, last-layer attention, the confusion matrix,
+and where a fine-tune run started from.
+
+Images go to every logger that takes them: TensorBoard (`add_image`) and anything with a
+`log_image(key, images, step)` method (wandb); the CSV logger has no images and is skipped. The
+latest PNGs are also written to `<run_dir>/figures/`, so a CSV-only run still has them.
+
+Only rank 0 draws. The confusion matrix is a torchmetrics metric updated on every rank and summed
+across ranks when computed, so it covers the whole validation set (exactly once per image with
+vitlab's unpadded validation sampler).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
+from torchmetrics.classification import MulticlassConfusionMatrix
+
+from vitlab.analysis.plots import new_figure, save_figure
+
+log = logging.getLogger("vitlab")
+
+PREDICTIONS_TAG = "val/predictions"
+ATTENTION_TAG = "val/attention"
+CONFUSION_TAG = "val/confusion_matrix"
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _images_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if not isinstance(batch, Sequence) or len(batch) < 2:
+        raise TypeError("expected a validation batch of (images, targets)")
+    x, y = batch[0], batch[1]
+    return x, (y.argmax(dim=1) if y.ndim == 2 else y)
+
+
+def _vit(pl_module: L.LightningModule) -> Any:
+    """The VisionTransformer inside the LightningModule (or the module itself)."""
+    return getattr(pl_module, "model", pl_module)
+
+
+def _class_names(model: Any, num_classes: int) -> list[str]:
+    names = (getattr(model, "data_config", None) or {}).get("class_names")
+    return [str(n) for n in names] if names else [str(i) for i in range(num_classes)]
+
+
+def _short(name: str, n: int = 14) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def denormalize(x: torch.Tensor, data_config: Mapping[str, Any]) -> np.ndarray:
+    """Normalised images `[B, C, H, W]` -> RGB arrays `[B, H, W, 3]` in [0, 1] (data_config mean/std)."""
+    x = x.detach().float().cpu()
+    mean = torch.tensor(data_config.get("mean", (0.0, 0.0, 0.0)), dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(data_config.get("std", (1.0, 1.0, 1.0)), dtype=torch.float32).view(1, -1, 1, 1)
+    rgb = (x[:, :3] * std + mean).clamp(0.0, 1.0)
+    return rgb.permute(0, 2, 3, 1).numpy()
+
+
+def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits `[B, classes]` and the last block's attention to the patches, `[B, h, w]`.
+
+    The query is the class token, or for models pooled without one (GAP, sequence pooling) the mean
+    of the patch rows; heads are averaged. Values are the attention weights themselves (a row's
+    mass on the patches; the rest sits on the class token).
+    """
+    logits, attn = model.forward_attention(x)
+    a = attn[-1].float().mean(dim=1)  # [B, N, N], heads averaged
+    prefix = int(model.num_prefix_tokens)
+    row = a[:, 0, prefix:] if model.pool == "token" else a[:, prefix:, prefix:].mean(dim=1)
+    h, w = model.patch_embed.grid_size
+    return logits.float(), row.reshape(-1, h, w)
+
+
+def figure_to_array(fig: Any) -> np.ndarray:
+    """An Agg-backed figure -> uint8 RGB `[H, W, 3]`."""
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _grid_shape(n: int) -> tuple[int, int]:
+    cols = max(1, math.ceil(math.sqrt(n)))
+    return math.ceil(n / cols), cols
+
+
+def plot_prediction_grid(images: np.ndarray, targets: Sequence[int], preds: Sequence[int], names: Sequence[str]) -> Any:
+    """Each image titled `true / pred`, green when right and red when wrong."""
+    rows, cols = _grid_shape(len(images))
+    height = 1.9 * rows + 0.35
+    fig = new_figure((1.7 * cols, height), dpi=100)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for i, ax in enumerate(axes):
+        ax.set_axis_off()
+        if i >= len(images):
+            continue
+        ax.imshow(images[i], interpolation="nearest")
+        ok = int(targets[i]) == int(preds[i])
+        ax.set_title(
+            f"{_short(names[targets[i]])}\n→ {_short(names[preds[i]])}", fontsize=7, color="green" if ok else "red"
+        )
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1.0 - 0.75 / height, wspace=0.1, hspace=0.5)
+    fig.suptitle("validation samples: true → predicted", fontsize=9, y=1.0 - 0.06 / height, va="top")
+    return fig
+
+
+def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[int], names: Sequence[str]) -> Any:
+    """Each image with its last-layer attention map over it (bilinear to the image size).
+
+    Each map is stretched to its own [min, max]: early in training attention is nearly uniform, and
+    a plain max-scaling would paint every image the same colour.
+    """
+    rows, cols = _grid_shape(len(images))
+    size = images.shape[1:3]
+    up = F.interpolate(heat[:, None].float().cpu(), size=size, mode="bilinear", align_corners=False)[:, 0]
+    lo = up.flatten(1).amin(dim=1).view(-1, 1, 1)
+    hi = up.flatten(1).amax(dim=1).view(-1, 1, 1)
+    up = ((up - lo) / (hi - lo).clamp_min(1e-12)).numpy()
+    height = 1.8 * rows + 0.35
+    fig = new_figure((1.7 * cols, height), dpi=100)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for i, ax in enumerate(axes):
+        ax.set_axis_off()
+        if i >= len(images):
+            continue
+        ax.imshow(images[i], interpolation="nearest")
+        ax.imshow(up[i], cmap="jet", alpha=0.5, vmin=0.0, vmax=1.0, interpolation="bilinear")
+        ax.set_title(_short(names[preds[i]]), fontsize=7)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1.0 - 0.6 / height, wspace=0.1, hspace=0.3)
+    fig.suptitle("last-layer attention to the patches (heads averaged)", fontsize=9, y=1.0 - 0.06 / height, va="top")
+    return fig
+
+
+def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str]) -> Any:
+    """Counts (rows: true class, columns: predicted), coloured by the row fraction (per-class recall)."""
+    m = np.asarray(matrix.detach().cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.int64)
+    n = m.shape[0]
+    frac = m / np.maximum(m.sum(axis=1, keepdims=True), 1)
+    side = min(12.0, max(4.0, 0.35 * n + 2.0))
+    fig = new_figure((side + 1.0, side), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(frac, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+    if n <= 30:  # beyond that the numbers are unreadable anyway
+        for i in range(n):
+            for j in range(n):
+                if m[i, j]:
+                    ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=7,
+                            color="white" if frac[i, j] > 0.5 else "black")  # fmt: skip
+    if n <= 50:
+        labels = [_short(s, 16) for s in names]
+        ax.set_xticks(range(n), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), labels, fontsize=7)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    acc = np.trace(m) / max(m.sum(), 1)
+    ax.set_title(f"confusion matrix: {m.sum()} images, top-1 {100 * acc:.2f}%", fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.8, label="fraction of the true class")
+    return fig
+
+
+def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, step: int) -> int:
+    """Send an RGB array to every logger that takes images; returns how many did."""
+    sent = 0
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+            sent += 1
+        elif callable(getattr(logger, "log_image", None)):
+            logger.log_image(key=tag, images=[image], step=step)
+            sent += 1
+    return sent
+
+
+def _full_weights(trainer: L.Trainer) -> AbstractContextManager:
+    """Under FSDP, gather the whole model on rank 0 for a plain (non-FSDP) forward; a no-op otherwise.
+
+    Every rank must enter it (it is a collective)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(trainer.strategy, FSDPStrategy):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False, rank0_only=True)
+    return nullcontext()
+
+
+# ---- the callbacks ---------------------------------------------------------------------------------
+
+
+class ValidationFigures(Callback):
+    """Logs validation figures: predictions and last-layer attention on a fixed set of images after
+    every `every_n_epochs`-th validation, and the confusion matrix over the whole validation set at
+    the end of fit (and of `validate`).
+
+    The images are taken once and reused so that epochs compare: with `sample="first"` the first
+    `num_images` rank 0 sees in the (unshuffled) validation order; with `sample="spread"` images
+    evenly spaced over the validation set (map-style datasets; class-sorted folders otherwise show
+    one class only), falling back to "first" for streamed data.
+
+    The confusion matrix reads the logits the module's `validation_step` returns (a tensor, or a mapping with "logits"); a module that returns
+    nothing costs a second forward pass per validation batch. It is skipped above `max_classes`
+    classes (a 21k x 21k matrix is gigabytes per rank and unreadable).
+    """
+
+    def __init__(
+        self,
+        num_images: int = 16,
+        every_n_epochs: int = 1,
+        confusion_matrix: bool = True,
+        max_classes: int = 100,
+        save_png: bool = True,
+        sample: Literal["first", "spread"] = "first",
+    ) -> None:
+        if sample not in ("first", "spread"):
+            raise ValueError(f"unknown sample {sample!r}; choose 'first' or 'spread'")
+        if num_images < 0:
+            raise ValueError(f"num_images must be >= 0, got {num_images}")
+        if every_n_epochs < 1:
+            raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.num_images = num_images
+        self.every_n_epochs = every_n_epochs
+        self.confusion_matrix = confusion_matrix
+        self.max_classes = max_classes
+        self.save_png = save_png
+        self.sample = sample
+        self._spread = sample == "spread"  # turned off for data without random access
+        self.confmat: MulticlassConfusionMatrix | None = None
+        self._images: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+        self._frozen = False
+        self._confmat_updates = 0
+        self._warned_fsdp = False
+
+    # -- state --
+
+    @property
+    def images(self) -> torch.Tensor | None:
+        """The fixed sample `[n, C, H, W]` (normalised, CPU), None before the first validation batch."""
+        return torch.cat(self._images)[: self.num_images] if self._images else None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        model = _vit(pl_module)
+        nc = int(getattr(model, "num_classes", 0) or 0)
+        if self.confusion_matrix and self.confmat is None and 2 <= nc <= self.max_classes:
+            self.confmat = MulticlassConfusionMatrix(nc)
+        elif self.confusion_matrix and nc > self.max_classes:
+            log.info("ValidationFigures: %d classes > max_classes=%d, no confusion matrix", nc, self.max_classes)
+        if self.confmat is not None:
+            self.confmat = self.confmat.to(pl_module.device)
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._frozen:  # the order is fixed, so restarting the capture yields the same images
+            self._images, self._targets = [], []
+        if self.confmat is not None:
+            self.confmat = self.confmat.to(pl_module.device)
+            self.confmat.reset()
+            self._confmat_updates = 0
+
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        x, y = _images_targets(batch)
+        if trainer.is_global_zero and not self._frozen and self.num_images and self._spread:
+            self._take_spread(trainer)
+        if trainer.is_global_zero and not self._frozen and self.num_images:
+            need = self.num_images - sum(len(t) for t in self._images)
+            if need > 0:
+                self._images.append(x[:need].detach().cpu())
+                self._targets.append(y[:need].detach().cpu())
+            if need <= len(x):
+                self._frozen = True
+        if self.confmat is None or trainer.sanity_checking:
+            return
+        logits = self._logits(trainer, pl_module, outputs, x)
+        if logits is not None:
+            self.confmat.update(logits.argmax(dim=-1), y.to(logits.device))
+            self._confmat_updates += 1
+
+    def _take_spread(self, trainer: L.Trainer) -> None:
+        loader = trainer.val_dataloaders
+        dataset = getattr(loader[0] if isinstance(loader, Sequence) else loader, "dataset", None)
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            self._spread = False  # streamed data: no random access, take the first images
+            return
+        n = len(dataset)
+        picks = sorted({round(i * (n - 1) / max(self.num_images - 1, 1)) for i in range(min(self.num_images, n))})
+        items = [dataset[i] for i in picks]
+        self._images = [torch.stack([torch.as_tensor(img) for img, _ in items])]
+        self._targets = [torch.tensor([int(t) for _, t in items])]
+        self._frozen = True
+
+    def _logits(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, x: torch.Tensor) -> Any:
+        if isinstance(outputs, Mapping):
+            outputs = outputs.get("logits")
+        if isinstance(outputs, torch.Tensor) and outputs.ndim == 2 and outputs.shape[0] == x.shape[0]:
+            return outputs.detach()
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(trainer.strategy, FSDPStrategy):
+            # A direct forward would skip FSDP's unsharding; the module must return its logits.
+            if not self._warned_fsdp:
+                log.warning("ValidationFigures: under FSDP the confusion matrix needs validation_step to return logits")
+                self._warned_fsdp = True
+            return None
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            return pl_module(x).detach()
+
+    # -- per-epoch figures --
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self.num_images:
+            return
+        if self._images:
+            self._frozen = True
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        if not self._wants_images(trainer):
+            return
+        with _full_weights(trainer):  # all ranks enter; only rank 0 draws
+            if trainer.is_global_zero and self._images:
+                self._draw_samples(trainer, pl_module)
+
+    def _wants_images(self, trainer: L.Trainer) -> bool:
+        # Decided the same on every rank (loggers exist only on rank 0), so FSDP ranks stay in step.
+        return self.save_png or bool(trainer.loggers)
+
+    @torch.no_grad()
+    def _draw_samples(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = _vit(pl_module)
+        x = self.images
+        y = torch.cat(self._targets)[: len(x)]
+        param = next(model.parameters())
+        x = x.to(param.device, dtype=param.dtype if param.is_floating_point() else None)
+        was_training = model.training
+        model.eval()
+        try:
+            with trainer.precision_plugin.forward_context():
+                if hasattr(model, "forward_attention"):
+                    logits, heat = last_layer_attention(model, x)
+                else:
+                    logits, heat = model(x).float(), None
+        finally:
+            model.train(was_training)
+        preds = logits.argmax(dim=-1).cpu().tolist()
+        names = _class_names(model, logits.shape[-1])
+        rgb = denormalize(x, getattr(model, "data_config", {}) or {})
+        step = trainer.global_step
+        figs = {PREDICTIONS_TAG: plot_prediction_grid(rgb, y.tolist(), preds, names)}
+        if heat is not None:
+            figs[ATTENTION_TAG] = plot_attention_grid(rgb, heat, preds, names)
+        for tag, fig in figs.items():
+            self._emit(trainer, tag, fig, step)
+
+    def _emit(self, trainer: L.Trainer, tag: str, fig: Any, step: int) -> None:
+        log_image(trainer, tag, figure_to_array(fig), step)
+        if self.save_png:
+            save_figure(fig, Path(trainer.default_root_dir) / "figures" / f"{tag.split('/')[-1]}.png")
+
+    # -- confusion matrix --
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log_confusion_matrix(trainer, pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING and not trainer.sanity_checking:
+            self._log_confusion_matrix(trainer, pl_module)
+
+    def _log_confusion_matrix(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.confmat is None:
+            return
+        # Every rank calls compute(): torchmetrics sums the per-rank matrices with a collective.
+        # Whether any rank saw data is itself agreed on, so ranks never disagree about entering it.
+        seen = trainer.strategy.reduce_boolean_decision(self._confmat_updates > 0, all=False)
+        if not seen:
+            return
+        matrix = self.confmat.compute().cpu()
+        if trainer.is_global_zero:
+            model = _vit(pl_module)
+            fig = plot_confusion_matrix(matrix, _class_names(model, matrix.shape[0]))
+            self._emit(trainer, CONFUSION_TAG, fig, trainer.global_step)
+
+
+class FinetuneSource(Callback):
+    """Records where a fine-tune run (`model.init_from`) started: the source, the position-embedding
+    grid before and after resampling, and the class count before and after the head reset.
+
+    Hyperparameters for loggers that merge them (CSV's hparams.yaml, wandb's config) and a text
+    entry for TensorBoard (its hparams table is written once by Lightning, before this runs).
+    Reads `pl_module.init_summary` when the module provides one, else works it out from
+    `hparams.init_from` and the model.
+    """
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        summary = finetune_summary(pl_module)
+        if summary is None:
+            return
+        params = {f"finetune/{k}": v for k, v in summary.items()}
+        text = "  \n".join(f"**{k}**: `{v}`" for k, v in summary.items())
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("finetune/source", text, global_step=trainer.global_step)
+            else:
+                _log_params(logger, params)
+
+
+def _log_params(logger: Logger, params: dict[str, Any]) -> None:
+    logger.log_hyperparams(params)
+    save = getattr(logger, "save", None)
+    if callable(save):  # CSV writes hparams.yaml on save
+        save()
+
+
+def _grid_text(grid: Any) -> str:
+    return "x".join(str(int(g)) for g in grid) if isinstance(grid, Sequence) else str(grid)
+
+
+def finetune_summary(pl_module: L.LightningModule) -> dict[str, str] | None:
+    """`{init_from, pos_embed_grid, num_classes}` as display strings, None for a run from scratch."""
+    own = getattr(pl_module, "init_summary", None)
+    if isinstance(own, Mapping) and own:
+        return {str(k): str(v) for k, v in own.items()}
+    hparams = getattr(pl_module, "hparams", {}) or {}
+    source = hparams.get("init_from")
+    if not source:
+        return None
+    from vitlab.train.module import _grid, _peek_source_config
+
+    model = _vit(pl_module)
+    old = _peek_source_config(str(source))
+    new_grid = _grid_text(list(model.patch_embed.grid_size))
+    old_grid = _grid_text(_grid(old)) if old else "not recorded"
+    old_classes = str(old["num_classes"]) if old else "not recorded"
+    return {
+        "init_from": str(source),
+        "pos_embed_grid": f"{old_grid} -> {new_grid}",
+        "num_classes": f"{old_classes} -> {model.num_classes}",
+    }

@@ -1,0 +1,172 @@
+"""Secret redaction: credentials from the environment (and values under secret-looking keys) must never
+reach config.yaml, saved hyperparameters, checkpoints or log records, which are shared far more widely
+than the environment they came from."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import SaveConfigCallback
+
+log = logging.getLogger("vitlab")
+
+REDACTED = "<redacted>"
+
+
+# Environment variable names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+# Whole-word matches only: TOKENIZERS_PARALLELISM is not a secret.
+_SECRET_ENV = re.compile(
+    r"(?:^|_)(?:API_?KEY|KEY_?ID|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|ACCESS_?KEY|PRIVATE_?KEY|AUTH)(?:_|$)",
+    re.IGNORECASE,
+)
+# Config / hparam keys whose value is a credential whatever it looks like.
+_SECRET_KEY = re.compile(
+    r"(?:^|[-_.])(?:api[-_]?key|apikey|token|secret|password|passwd|credentials?|access[-_]?key|private[-_]?key)"
+    r"(?:$|[-_.])",
+    re.IGNORECASE,
+)
+# user:password@ inside a URL.
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
+# Short values ("1", "true") would redact half of every file; real credentials are longer.
+_MIN_SECRET_LEN = 8
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of the credential-like variables in `environ` (default: os.environ), longest first."""
+    env = os.environ if environ is None else environ
+    found = {v for k, v in env.items() if _SECRET_ENV.search(k) and len(v) >= _MIN_SECRET_LEN}
+    return sorted(found, key=len, reverse=True)
+
+
+def _is_secret_key(key: Any) -> bool:
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key.rsplit(".", 1)[-1]))
+
+
+def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
+    """`text` with every known secret value and URL password replaced by `<redacted>`."""
+    for value in secret_values() if secrets is None else secrets:
+        if value and value in text:
+            text = text.replace(value, REDACTED)
+    return _URL_PASSWORD.sub(rf"\1{REDACTED}@", text)
+
+
+def redact(obj: Any, secrets: Iterable[str] | None = None) -> Any:
+    """A copy of `obj` (dicts, lists, tuples, jsonargparse Namespaces, strings; anything else as is)
+    with secret values and the values of secret-looking keys replaced by `<redacted>`."""
+    secrets = secret_values() if secrets is None else list(secrets)
+    return _redact(obj, secrets)
+
+
+def _redact(obj: Any, secrets: list[str]) -> Any:
+    if isinstance(obj, str):
+        return redact_text(obj, secrets)
+    if isinstance(obj, Mapping):
+        out = {k: REDACTED if _is_secret_key(k) and v is not None else _redact(v, secrets) for k, v in obj.items()}
+        try:
+            return type(obj)(out)  # AttributeDict, OrderedDict...
+        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
+            return out
+    if hasattr(obj, "clone") and hasattr(obj, "items") and callable(getattr(obj, "items")):  # jsonargparse Namespace
+        ns = obj.clone()
+        for key, value in obj.items():
+            ns[key] = REDACTED if _is_secret_key(key) and value is not None else _redact(value, secrets)
+        return ns
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_redact(v, secrets) for v in obj)
+    if isinstance(obj, list):
+        return [_redact(v, secrets) for v in obj]
+    return obj
+
+
+def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
+    """wandb records the command line (`sys.argv`) in its run metadata. When the command line carries
+    a secret, turn that collection off for this process (`WANDB__DISABLE_META`, read when wandb starts)
+    and say so. Returns True when it did."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    joined = "\n".join(args)
+    if redact_text(joined) == joined:
+        return False
+    os.environ["WANDB__DISABLE_META"] = "true"
+    log.warning(
+        "a credential appears on the command line: wandb's system metadata (which records the command line) "
+        "is off for this run; pass credentials through the environment instead"
+    )
+    return True
+
+
+class SecretLogFilter(logging.Filter):
+    """Rewrites log records that contain a secret before any handler writes them."""
+
+    def __init__(self, secrets: Iterable[str] | None = None) -> None:
+        super().__init__()
+        self.secrets = secret_values() if secrets is None else list(secrets)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken record is the handler's problem, not ours
+            return True
+        clean = redact_text(message, self.secrets)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+_LOGGERS = ("", "lightning", "lightning.pytorch", "lightning.fabric", "vitlab")
+
+
+class RedactSecrets(Callback):
+    """Keeps credentials out of everything a run writes.
+
+    At setup (before `SaveConfigCallback` writes config.yaml and before the loggers record
+    hyperparameters) it redacts the config the save-config callback holds (a redacted copy) and the
+    LightningModule's and DataModule's hparams (in place: the attributes the objects were built with
+    keep their values), and installs `SecretLogFilter` on the log handlers. `AtomicCheckpointIO`
+    redacts the hyperparameters of each checkpoint once more. A checkpoint whose hparams held a secret
+    (say, an `init_from` URL with a password) therefore does not rebuild by itself from them.
+    """
+
+    def __init__(self) -> None:
+        self._filter: SecretLogFilter | None = None
+        self._handlers: list[logging.Handler] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        secrets = secret_values()
+        for cb in trainer.callbacks:
+            if isinstance(cb, SaveConfigCallback):
+                cb.config = redact(cb.config, secrets)
+        for holder in (pl_module, trainer.datamodule):
+            if holder is None:
+                continue
+            for attr in ("_hparams", "_hparams_initial"):  # hparams_initial is what the loggers record
+                hp = getattr(holder, attr, None)
+                if isinstance(hp, dict):
+                    hp.update(redact(dict(hp), secrets))
+        self._install_filter(secrets)
+
+    def _install_filter(self, secrets: list[str]) -> None:
+        self._remove_filter()
+        self._filter = SecretLogFilter(secrets)
+        for name in _LOGGERS:
+            for handler in logging.getLogger(name).handlers:
+                handler.addFilter(self._filter)
+                self._handlers.append(handler)
+
+    def _remove_filter(self) -> None:
+        if self._filter is not None:
+            for handler in self._handlers:
+                handler.removeFilter(self._filter)
+        self._filter, self._handlers = None, []
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._remove_filter()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_filter()
