@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 import yaml
+
+import vitlab
 
 from vitlab import load_pretrained, resample_pos_embed
 from vitlab.cli import VitlabCLI, main
@@ -104,3 +107,28 @@ def test_explicit_num_classes_must_match_the_data(cifar_subset: Path, tmp_path: 
     r = recipe(tmp_path / "r.yaml", data, 32, 1)
     with pytest.raises(ValueError, match="num_classes"):
         main(["fit", "--config", str(r), "--run_dir", str(tmp_path / "run"), "--data.num_classes", "5"])
+
+
+def test_bad_fine_tune_sources_and_sizes_are_named(cifar_subset: Path, tmp_path: Path) -> None:
+    data = subset_tree(cifar_subset, tmp_path / "data", ["cat", "dog"], 4, 2)
+    src = tmp_path / "src"
+    vitlab.save_pretrained(vitlab.create_model("vit_tiny_patch16", img_size=32, num_classes=4, **TINY), src)
+
+    def finetune(img_size: int, init_from: Path, **model: object) -> None:
+        r = recipe(tmp_path / "ft.yaml", data, img_size, 1, **model)
+        main(["fit", "--config", str(r), "--run_dir", str(tmp_path / "run"), "--model.init_from", str(init_from)])
+
+    with pytest.raises(ValueError, match=r"img_size 70x70 is not a multiple of patch_size 4; use e.g. 68x68 or 72x72"):
+        finetune(70, src)
+    deeper = {**TINY, "depth": 3}
+    with pytest.raises(ValueError, match=r"(?s)do not fit the ViT built from it.*missing: blocks.2.norm1.weight"):
+        finetune(64, src, model_args=deeper)
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "resnet.pth")
+    with pytest.raises(ValueError, match=r"conv1\.weight|not a ViT|no ViT"):
+        finetune(64, tmp_path / "resnet.pth")
+
+
+def test_missing_data_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"DATA path '.*nowhere' does not exist; give an image folder"):
+        r = recipe(tmp_path / "r.yaml", tmp_path, 32, 1)
+        main(["fit", "--config", str(r), "--data_path", str(tmp_path / "nowhere")])

@@ -88,7 +88,8 @@ class VitlabCLI(LightningCLI):
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         if trainer_cfg.get("logger") in (None, True):
-            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self._get(self.config, "ckpt_path"))
+            names, ckpt_path = self._get(self.config, "loggers"), self._get(self.config, "ckpt_path")
+            kwargs["logger"] = run_loggers(run_dir, names, ckpt_path)
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
         every_n = self._get(self.config, "checkpoint_every_n_steps")

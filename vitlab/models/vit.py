@@ -127,7 +127,8 @@ class PatchEmbed(nn.Module):
             return self.convs(x).flatten(2).transpose(1, 2)
         s, (h, w) = self.patch_size // 2, x.shape[-2:]
         padded = F.pad(x, (s, s, s, s))
-        shifts = [padded[..., s + dy : s + dy + h, s + dx : s + dx + w] for dy, dx in ((-s, -s), (-s, s), (s, -s), (s, s))]
+        diagonals = ((-s, -s), (-s, s), (s, -s), (s, s))
+        shifts = [padded[..., s + dy : s + dy + h, s + dx : s + dx + w] for dy, dx in diagonals]
         x = torch.cat([x, *shifts], dim=1)
         x = rearrange(x, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=self.patch_size, p2=self.patch_size)
         return self.proj(self.norm(x))
