@@ -18,6 +18,7 @@ from PIL import Image
 from vitlab import load_pretrained
 from vitlab.analysis import commands
 from vitlab.cli import main
+from helpers import subset_tree
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +34,6 @@ INSPECT_SIZES = {
     "patch_embedding_filters.png": (530, 330),
 }
 RANK_LINE = re.compile(r"^\s+(\d+)\. (\S+)\s+([\d.]+)%$")
-
-
-def subset_tree(src: Path, dst: Path, classes: list[str], n_train: int, n_val: int) -> Path:
-    for split, n in (("train", n_train), ("val", n_val)):
-        for c in classes:
-            (dst / split / c).mkdir(parents=True)
-            for f in sorted((src / split / c).iterdir())[:n]:
-                (dst / split / c / f.name).symlink_to(f)
-    return dst
 
 
 @pytest.fixture(scope="module")

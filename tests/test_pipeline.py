@@ -15,21 +15,12 @@ import vitlab
 
 from vitlab import load_pretrained, resample_pos_embed
 from vitlab.cli import VitlabCLI, main
+from helpers import subset_tree
 
 pytestmark = pytest.mark.slow
 
 TINY = {"patch_size": 4, "depth": 2, "embed_dim": 64, "num_heads": 2, "stem": "conv", "pool": "seq",
         "class_token": False, "mlp_ratio": 2}  # fmt: skip
-
-
-def subset_tree(src: Path, dst: Path, classes: list[str], n_train: int, n_val: int) -> Path:
-    """A small ImageFolder tree of symlinks into the shared CIFAR subset."""
-    for split, n in (("train", n_train), ("val", n_val)):
-        for c in classes:
-            (dst / split / c).mkdir(parents=True)
-            for f in sorted((src / split / c).iterdir())[:n]:
-                (dst / split / c / f.name).symlink_to(f)
-    return dst
 
 
 def recipe(path: Path, root: Path, img_size: int, epochs: int, **model: object) -> Path:

@@ -40,8 +40,6 @@ def test_recipe_builds_and_runs(recipe: Path, tiny_tree: Path, tmp_path: Path) -
     text = yaml.safe_load(recipe.read_text())
     assert text["model"] and text["data"], "a recipe names its model and its data"
     args = ["--config", str(recipe), *CPU, "--data_path", str(tiny_tree), "--run_dir", str(tmp_path)]
-    if "strategy" in text.get("trainer", {}) and isinstance(text["trainer"]["strategy"], dict):
-        args.remove("--trainer.strategy=auto")  # an FSDP recipe keeps its strategy object
     cli = VitlabCLI(args=args, run=False)
     model = cli.model.model.eval()
     size = text["data"]["init_args"]["img_size"]

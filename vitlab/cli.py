@@ -227,8 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if argv and argv[0] in TOOLS:
         return run_tool(argv)
-    VitlabCLI(args=argv)
+    try:
+        VitlabCLI(args=argv)
+    except BaseException:
+        _finish_wandb(failed=True)
+        raise
+    _finish_wandb(failed=False)
     return 0
+
+
+def _finish_wandb(failed: bool) -> None:
+    """Close the wandb run: Lightning's WandbLogger would reuse an open one in the next `main()` call."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=1 if failed else 0)
 
 
 if __name__ == "__main__":

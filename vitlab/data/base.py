@@ -17,7 +17,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.transforms import (
@@ -316,6 +317,17 @@ class ImageDataModule(L.LightningDataModule):
         self._setup_datasets(stage)
         _ = self.class_names  # resolves and checks num_classes
 
+    def eval_sampler(self, dataset: Dataset) -> Sampler | None:
+        """Validation/test sampler under DDP: rank r reads images r, r+W, r+2W, ... and none is repeated.
+
+        Lightning's default DistributedSampler pads with repeated images so every rank gets the same
+        count, which biases validation metrics. Unequal counts are safe for evaluation: no gradients
+        are synced, torchmetrics sums the per-rank states, and Lightning keeps a distributed sampler.
+        """
+        if self.world_size < 2 or isinstance(dataset, torch.utils.data.IterableDataset):
+            return None
+        return UnrepeatedDistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=False)
+
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.resolved_num_workers
         # Lightning checkpoints a StatefulDataLoader's position, so a mid-epoch resume continues exactly.
@@ -324,6 +336,7 @@ class ImageDataModule(L.LightningDataModule):
             dataset,
             batch_size=self.per_device_batch_size,
             shuffle=train,
+            sampler=None if train else self.eval_sampler(dataset),
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,

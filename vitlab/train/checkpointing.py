@@ -321,7 +321,8 @@ class ExactResume(Callback):
     - RNG: the global torch / numpy / python (and CUDA) streams are stored in every checkpoint and
       restored just before the first batch of the resumed run. With `num_workers=0` the train
       transforms draw from them. (Workers seed themselves from the loader's generator; their streams
-      are not restored mid-epoch.) Rank 0's states are stored.
+      are not restored mid-epoch.) Rank 0's states are stored; every other rank then derives its own
+      streams from them, so in-process augmentation and dropout keep differing across ranks.
     - Loader generators: the shuffling generator of each train loader is stored too, because
       restoring a torchdata StatefulDataLoader rewinds it to the start of the epoch, so every later
       epoch would be shuffled differently from the uninterrupted run.
@@ -387,9 +388,12 @@ class ExactResume(Callback):
         rng, self._rng = self._rng, None
         if rng:
             _set_rng_state(rng)
+            _decorrelate_ranks(trainer)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if stage == "fit":
+            _decorrelate_ranks(trainer)
 
     def _train_loaders(self) -> list[Any]:
         trainer = getattr(self, "_trainer", None)
@@ -425,6 +429,19 @@ def _set_generator_states(loaders: list[Any], states: list[dict[str, Any]] | Non
             gen.set_state(state["loader"])
         if state.get("sampler") is not None and isinstance(sgen, torch.Generator):
             sgen.set_state(state["sampler"])
+
+
+def _decorrelate_ranks(trainer: L.Trainer) -> None:
+    """Seed ranks > 0 from the shared stream plus their rank: `seed_everything` gives every rank the
+    same seed, so without this in-process augmentation and dropout would repeat across ranks."""
+    if trainer.global_rank == 0:
+        return
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) + trainer.global_rank
+    torch.manual_seed(seed)
+    random.seed(seed)
+    import numpy as np
+
+    np.random.seed(seed % 2**32)
 
 
 def _get_rng_state() -> dict[str, Any]:

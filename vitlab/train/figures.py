@@ -211,8 +211,8 @@ class ValidationFigures(Callback):
     evenly spaced over the validation set (map-style datasets; class-sorted folders otherwise show
     one class only), falling back to "first" for streamed data.
 
-    The confusion matrix reads the logits the module's `validation_step` returns (a tensor, or a mapping with "logits"); a module that returns
-    nothing costs a second forward pass per validation batch. It is skipped above `max_classes`
+    The confusion matrix reads the logits the module's `validation_step` returns (a tensor, or a
+    mapping with "logits"); a module that returns nothing costs a second forward pass per validation batch. It is skipped above `max_classes`
     classes (a 21k x 21k matrix is gigabytes per rank and unreadable).
     """
 
@@ -407,8 +407,7 @@ class FinetuneSource(Callback):
 
     Hyperparameters for loggers that merge them (CSV's hparams.yaml, wandb's config) and a text
     entry for TensorBoard (its hparams table is written once by Lightning, before this runs).
-    Reads `pl_module.init_summary` when the module provides one, else works it out from
-    `hparams.init_from` and the model.
+    Reads the `init_summary` the training module records when it initialises from a checkpoint.
     """
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -433,28 +432,7 @@ def _log_params(logger: Logger, params: dict[str, Any]) -> None:
         save()
 
 
-def _grid_text(grid: Any) -> str:
-    return "x".join(str(int(g)) for g in grid) if isinstance(grid, Sequence) else str(grid)
-
-
 def finetune_summary(pl_module: L.LightningModule) -> dict[str, str] | None:
     """`{init_from, pos_embed_grid, num_classes}` as display strings, None for a run from scratch."""
     own = getattr(pl_module, "init_summary", None)
-    if isinstance(own, Mapping) and own:
-        return {str(k): str(v) for k, v in own.items()}
-    hparams = getattr(pl_module, "hparams", {}) or {}
-    source = hparams.get("init_from")
-    if not source:
-        return None
-    from vitlab.train.module import _grid, _peek_source_config
-
-    model = _vit(pl_module)
-    old = _peek_source_config(str(source))
-    new_grid = _grid_text(list(model.patch_embed.grid_size))
-    old_grid = _grid_text(_grid(old)) if old else "not recorded"
-    old_classes = str(old["num_classes"]) if old else "not recorded"
-    return {
-        "init_from": str(source),
-        "pos_embed_grid": f"{old_grid} -> {new_grid}",
-        "num_classes": f"{old_classes} -> {model.num_classes}",
-    }
+    return {str(k): str(v) for k, v in own.items()} if isinstance(own, Mapping) and own else None

@@ -112,6 +112,7 @@ class ViTClassifier(L.LightningModule):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1) (got {label_smoothing})")
         self.save_hyperparameters()
+        self.init_summary: dict[str, str] | None = None  # what `init_from` changed, for the run's logs
 
         self.model = self._build_model()
         nc = self.model.num_classes
@@ -172,6 +173,12 @@ class ViTClassifier(L.LightningModule):
         new_grid, new_classes = _grid(model.config), model.config["num_classes"]
         old_grid = _grid(source) if source else "not recorded"
         old_classes = source["num_classes"] if source else "not recorded"
+        fmt = lambda g: "x".join(map(str, g)) if isinstance(g, list) else g  # noqa: E731
+        self.init_summary = {
+            "init_from": str(path),
+            "pos_embed_grid": f"{fmt(old_grid)} -> {fmt(new_grid)}",
+            "num_classes": f"{old_classes} -> {new_classes}",
+        }
         head = " (new zero-initialised head, pre-logits dropped)" if old_classes != new_classes else ""
         rank_zero_info(
             f"init_from {path}: position-embedding grid {old_grid} -> {new_grid}, "
@@ -218,7 +225,7 @@ class ViTClassifier(L.LightningModule):
             self.log("lr", lr, on_step=True, on_epoch=False, batch_size=n)
         return loss
 
-    def _eval_step(self, batch: Any, stage: str) -> None:
+    def _eval_step(self, batch: Any, stage: str) -> torch.Tensor:
         x, y = _unpack(batch)
         logits = self(x)
         hard = y.argmax(dim=1) if y.ndim == 2 else y
@@ -232,12 +239,13 @@ class ViTClassifier(L.LightningModule):
         self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
         self.log(f"{stage}/acc1", acc1, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
         self.log(f"{stage}/acc5", acc5, on_step=False, on_epoch=True, batch_size=n)
+        return logits.detach()  # the logits, for callbacks (confusion matrix)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "val")
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities [B, C]."""

@@ -43,19 +43,26 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split trainable parameters into decay / no-decay groups, one pair per layer under `layer_decay`.
 
-    No decay for anything with ndim <= 1 (norm weights, biases, scalar temperatures) and for the
-    names in `model.no_weight_decay()`. Frozen parameters (e.g. a fixed sin-cos position
-    embedding) are left out. Each group carries `param_names` (kept by torch optimizers) and
+    Decay for the weights of linear and convolution layers only, except the names in
+    `model.no_weight_decay()`: norms, biases and scalar temperatures take none. Decided by module
+    type, not `p.ndim`: under FSDP a parameter is a 1-D slice of its shard, so its ndim says nothing.
+    Frozen parameters (e.g. a fixed sin-cos position embedding) are left out. Each group carries `param_names` (kept by torch optimizers) and
     `lr_scale`, the layer-decay multiplier already applied to its `lr`.
     """
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     depth = len(model.blocks) if hasattr(model, "blocks") else 0
+    layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    decayed = {
+        _clean_name(f"{name}.weight" if name else "weight")
+        for name, module in model.named_modules()
+        if isinstance(module, layers) and getattr(module, "weight", None) is not None
+    }
     groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for raw_name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         name = _clean_name(raw_name)
-        no_decay = p.ndim <= 1 or name in skip
+        no_decay = name not in decayed or name in skip
         layer = layer_id(name, depth) if layer_decay is not None else 0
         scale = layer_decay ** (depth + 1 - layer) if layer_decay is not None else 1.0
         group = groups.setdefault(

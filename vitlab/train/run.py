@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,12 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vitlab.train.callbacks import PerfMonitor
 from vitlab.train.checkpointing import AtomicCheckpointIO, ExactResume, LastCheckpoint
+from vitlab.train.figures import FinetuneSource, ValidationFigures
 from vitlab.train.guards import NonFiniteGuard, RunDirCheck, check_run_dir
 from vitlab.train.redaction import RedactSecrets, keep_argv_out_of_trackers
 
@@ -45,7 +50,7 @@ def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
     if offline:
         os.environ.setdefault("WANDB_MODE", "offline")
         log.warning(
-            "wandb: no API key found, logging offline to %s; upload later with `wandb sync %s/wandb/offline-run-*`",
+            "wandb: no API key found, logging offline to %s; upload later with `wandb sync %s/offline-run-*`",
             wandb_dir, wandb_dir,
         )  # fmt: skip
     run_id = _resumed_wandb_id(run_dir, ckpt_path)
@@ -80,6 +85,25 @@ class RememberWandbRun(Callback):
                 checkpoint[WANDB_ID_KEY] = logger.version
 
 
+class EndRanksOnFailure(Callback):
+    """When rank 0 of `vitlab fit --trainer.devices=N` (the process that launched the other ranks)
+    fails, end the ranks it started. Lightning does this for Ctrl-C only; otherwise a rank waiting in
+    a collective that rank 0 never joins holds its GPU until the process-group timeout (30 min).
+    Preemption (SIGTERM) is left alone: every rank saves and exits on its own. Under torchrun and
+    `srun --kill-on-bad-exit=1` the launcher does this job.
+    """
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
+            return
+        launcher = trainer.strategy.launcher
+        procs = getattr(launcher, "procs", None)
+        if isinstance(launcher, _SubprocessScriptLauncher) and procs:
+            log.error("rank 0 failed (%s: %s); ending the %d ranks it started", type(exception).__name__, exception,
+                      len(procs))  # fmt: skip
+            launcher.kill(signal.SIGKILL)
+
+
 def run_callbacks(
     run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None
 ) -> list[Callback]:
@@ -92,7 +116,7 @@ def run_callbacks(
     """
     check_run_dir(run_dir)  # before any logger or callback writes into it
     keep_argv_out_of_trackers()  # before wandb starts and records the command line
-    extra: list[Callback] = [RememberWandbRun()]
+    extra: list[Callback] = [RememberWandbRun(), EndRanksOnFailure()]
 
     def has(kind: type) -> bool:
         return any(isinstance(cb, kind) for cb in existing)
@@ -112,7 +136,7 @@ def run_callbacks(
             "use vitlab.train.checkpointing.LastCheckpoint(every_n_train_steps=...) in its place",
             every_n_train_steps,
         )
-    for kind in (NonFiniteGuard, ExactResume, RedactSecrets):
+    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, ValidationFigures, FinetuneSource):
         if not has(kind):
             extra.append(kind())
     if not has(RunDirCheck):

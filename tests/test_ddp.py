@@ -1,0 +1,234 @@
+"""DDP correctness on CPU: 2 processes on gloo through the real CLI, run as a subprocess (Lightning's
+`ddp` relaunches the command once per rank).
+
+- validation is exact: every validation image is scored once, so the DDP top-1 equals a
+  single-process run of the same weights, on a validation set of odd size where padding would
+  change the result;
+- the ranks train on disjoint samples, and their augmentations differ (seed_everything(workers=True)
+  gives each rank's DataLoader workers their own seeds);
+- only rank 0 writes: one set of checkpoints, logs and figures;
+- a rank that raises ends the whole job, non-zero and with the error shown, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cli_probe import HUNG, csv_rows, last_value, run_cli
+from vitlab.cli import VitlabCLI, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
+CLASSES = ["airplane", "frog", "truck"]
+N_TRAIN, N_VAL = 8, 7  # per class: 24 train images (3 steps of 8), 21 validation images (odd)
+DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp"]
+
+
+def make_data(src: Path, dst: Path) -> Path:
+    """Train: N_TRAIN links per class to ONE picture, so two ranks' batches can only differ by their
+    augmentation. Val: N_VAL distinct real pictures per class."""
+    one = sorted((src / "train" / CLASSES[0]).iterdir())[0]
+    for c in CLASSES:
+        (dst / "train" / c).mkdir(parents=True)
+        (dst / "val" / c).mkdir(parents=True)
+        for i in range(N_TRAIN):
+            (dst / "train" / c / f"{c}_{i:02d}.png").symlink_to(one)
+        for f in sorted((src / "val" / c).iterdir())[:N_VAL]:
+            (dst / "val" / c / f.name).symlink_to(f)
+    return dst
+
+
+def write_recipe(path: Path, root: Path, callbacks: list[dict]) -> Path:
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"max_epochs": 1, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False, "callbacks": callbacks},
+        "model": {"arch": "vit_tiny_patch16", "model_args": TINY, "lr": 1e-3, "warmup_steps": 0},
+        "data": {"class_path": "vitlab.data.ImageFolderDataModule",
+                 "init_args": {"root": str(root), "img_size": 32, "batch_size": 8, "num_workers": 1,
+                               "train_crop": "pad", "hflip": True, "auto_augment": None}},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ddp_run(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 2-process DDP fit, shared by the checks below."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    data = make_data(cifar_subset, tmp / "data")
+    probe = tmp / "probe"
+    callbacks = [
+        {"class_path": "cli_probe.RecordRankData", "init_args": {"out_dir": str(probe)}},
+        {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 8}},
+    ]
+    recipe = write_recipe(tmp / "recipe.yaml", data, callbacks)
+    run, cwd = tmp / "run", tmp / "cwd"
+    cwd.mkdir()
+    rc, out, _, _ = run_cli(["fit", "--config", str(recipe), "--run_dir", str(run), *DDP], cwd, timeout=240)
+    assert rc == 0, out[-4000:]
+    return {"tmp": tmp, "data": data, "recipe": recipe, "run": run, "cwd": cwd, "probe": probe, "out": out}
+
+
+def _ranks(probe: Path) -> tuple[dict, dict]:
+    r0, r1 = (json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == r1["world_size"] == 2 and r0["pid"] != r1["pid"]
+    return r0, r1
+
+
+def _disjoint_train(r0: dict, r1: dict) -> None:
+    n_train = len(CLASSES) * N_TRAIN
+    assert not set(r0["train"]) & set(r1["train"])
+    assert sorted(r0["train"] + r1["train"]) == list(range(n_train))
+
+
+def test_validation_is_exact_and_matches_a_single_process(ddp_run: dict) -> None:
+    r0, r1 = _ranks(ddp_run["probe"])
+    n_val = len(CLASSES) * N_VAL
+    # Every validation image on exactly one rank: no padding duplicates, so unequal counts (11 + 10).
+    assert sorted(r0["val"] + r1["val"]) == list(range(n_val)), (r0["val_sampler"], r0["val"], r1["val"])
+    assert sorted([len(r0["val"]), len(r1["val"])]) == [n_val // 2, n_val - n_val // 2]
+
+    ddp_rows = csv_rows(ddp_run["run"])
+    ddp_acc1, ddp_loss = last_value(ddp_rows, "val/acc1"), last_value(ddp_rows, "val/loss")
+
+    # The same weights, validated by one process.
+    single = ddp_run["tmp"] / "single"
+    main(["validate", "--config", str(ddp_run["recipe"]), "--run_dir", str(single), "--trainer.accelerator=cpu",
+          "--trainer.devices=1", "--data.init_args.num_workers=0",
+          "--ckpt_path", str(ddp_run["run"] / "checkpoints" / "last.ckpt")])  # fmt: skip
+    rows = csv_rows(single)
+    acc1, loss = last_value(rows, "val/acc1"), last_value(rows, "val/loss")
+    # With 0 < c < 21 correct, any duplicate (c + c0) / 22 differs from c / 21: padding would show.
+    assert 0.0 < acc1 < 1.0, acc1
+    assert round(acc1 * n_val) / n_val == pytest.approx(acc1, abs=1e-6)
+    assert ddp_acc1 == acc1, (ddp_acc1, acc1)
+    assert ddp_loss == pytest.approx(loss, rel=1e-5)
+
+
+def test_ranks_train_on_disjoint_samples_with_different_augmentation(ddp_run: dict) -> None:
+    r0, r1 = _ranks(ddp_run["probe"])
+    assert r0["environment"] == "LightningEnvironment"  # Lightning launched rank 1 itself
+    _disjoint_train(r0, r1)
+    n_train = len(CLASSES) * N_TRAIN
+    files0 = {r0["train_files"][i] for i in r0["train"]}
+    files1 = {r1["train_files"][i] for i in r1["train"]}
+    assert not files0 & files1 and len(files0 | files1) == n_train
+    # Every train file is the same picture, so differing batches can only come from the augmentation.
+    b0, b1 = (torch.load(ddp_run["probe"] / f"rank{r}_batch0.pt") for r in (0, 1))
+    assert b0.shape == b1.shape == (4, 3, 32, 32)
+    assert not torch.equal(b0, b1)
+    assert not torch.equal(b0[0], b0[1]) or not torch.equal(b0[1], b0[2])  # and within a rank
+
+
+def test_only_rank_zero_writes(ddp_run: dict) -> None:
+    run = ddp_run["run"]
+    top = {p.name for p in run.iterdir()}
+    assert {"checkpoints", "config.yaml", "csv", "figures", "tensorboard"} <= top, top
+    assert top <= {"checkpoints", "config.yaml", "csv", "figures", "tensorboard", "wandb"}, top  # no lightning_logs
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best-epoch000.ckpt", "last.ckpt"]
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in (run / "csv").iterdir()) == ["hparams.yaml", "metrics.csv"]
+    assert sorted(p.name for p in (run / "figures").iterdir()) == [
+        "attention.png", "confusion_matrix.png", "predictions.png"
+    ]
+    assert len([r for r in csv_rows(run) if r.get("val/acc1")]) == 1  # one writer: one validation row
+    assert not any(ddp_run["cwd"].iterdir())  # nothing outside the run folder
+
+
+@pytest.mark.parametrize("case", ["rank1_raises", "rank0_raises_rank1_stuck"])
+def test_a_failing_rank_ends_the_job(case: str, cifar_subset: Path, tmp_path: Path) -> None:
+    """Rank 1 is a child Lightning launched: its death is noticed by the launching process. Rank 0 is
+    the launching process itself: when it fails, the ranks it started must not outlive it (here
+    rank 1 is stuck, as in a collective that will never complete)."""
+    rank = 1 if case == "rank1_raises" else 0
+    data = make_data(cifar_subset, tmp_path / "data")
+    callbacks = [{"class_path": "cli_probe.FailOnRank", "init_args": {"rank": rank, "step": 2}}]
+    if case == "rank0_raises_rank1_stuck":
+        stall = {"rank": 1, "step": 2, "seconds": 90}
+        callbacks.append({"class_path": "cli_probe.StallOnRank", "init_args": stall})
+    recipe = write_recipe(tmp_path / "recipe.yaml", data, callbacks)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    rc, out, seconds, stragglers = run_cli(
+        ["fit", "--config", str(recipe), "--run_dir", str(tmp_path / "run"), "--trainer.max_epochs=3", *DDP],
+        cwd, timeout=120,
+    )  # fmt: skip
+    assert rc != HUNG, f"the job hung: killed after {seconds:.0f}s\n{out[-3000:]}"
+    assert rc != 0, out[-3000:]
+    assert f"injected failure on rank {rank} at step 2" in out
+    assert seconds < 120
+    assert not stragglers, f"a rank outlived the failed job by 20 s\n{out[-3000:]}"
+
+
+def test_torchrun_script_launches_ddp(cifar_subset: Path, tmp_path: Path) -> None:
+    """scripts/torchrun_pretrain.sh on one node with 2 CPU processes: torchrun starts the ranks and
+    Lightning takes them from its environment."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists() and not shutil.which("torchrun"):
+        pytest.skip("torchrun not installed")
+    data = make_data(cifar_subset, tmp_path / "data")
+    probe = tmp_path / "probe"
+    callbacks = [{"class_path": "cli_probe.RecordRankData", "init_args": {"out_dir": str(probe)}}]
+    recipe = write_recipe(tmp_path / "recipe.yaml", data, callbacks)
+    run = tmp_path / "run"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": "127.0.0.1:0", "OMP_NUM_THREADS": "1",
+           "TORCHRUN": str(torchrun if torchrun.exists() else "torchrun"), "PYTHONPATH": pythonpath}  # fmt: skip
+    cmd = [str(REPO / "scripts" / "torchrun_pretrain.sh"), str(recipe), str(run), "--",
+           "--trainer.accelerator=cpu", "--trainer.strategy=ddp"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    r0, r1 = _ranks(probe)
+    assert r0["environment"] == r1["environment"] == "TorchElasticEnvironment"
+    _disjoint_train(r0, r1)
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_fsdp_recipe_builds_its_strategy(cifar_subset: Path, tmp_path: Path) -> None:
+    """The FSDP recipe parses and its FSDPStrategy instantiates through the CLI parser. A Trainer
+    with FSDP needs GPUs, so this stops before building one; the sizes are shrunk to keep it cheap."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from vitlab.models.vit import Block
+
+    class ParseOnly(VitlabCLI):
+        def instantiate_trainer(self, **kwargs: object) -> None:  # type: ignore[override]
+            return None
+
+    data = make_data(cifar_subset, tmp_path / "data")
+    recipe = REPO / "recipes" / "pretrain" / "imagenet21k_vit_large_fsdp.yaml"
+    cfg = yaml.safe_load(recipe.read_text())
+    assert cfg["model"]["arch"] == "vit_large_patch16" and cfg["data"]["init_args"]["batch_size"] == 4096
+    assert cfg["model"]["grad_checkpointing"] is False  # checkpointing comes from the strategy, not twice
+    cli = ParseOnly(
+        args=["--config", str(recipe), f"--data.init_args.root={data}", "--data.init_args.img_size=32",
+              "--data.init_args.num_workers=0", "--model.arch=vit_tiny_patch16",
+              "--model.model_args.patch_size=8", "--model.model_args.representation_size=null"],
+        run=False,
+    )  # fmt: skip
+    trainer = cli.config_init["trainer"]
+    strategy = trainer["strategy"]
+    assert isinstance(strategy, FSDPStrategy)
+    assert (trainer["num_nodes"], trainer["devices"], trainer["precision"]) == (4, 8, "bf16-mixed")
+    wrap = strategy.kwargs["auto_wrap_policy"]
+    ckpt = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert isinstance(wrap, ModuleWrapPolicy) and isinstance(ckpt, ModuleWrapPolicy)
+    assert wrap._module_classes == ckpt._module_classes == {Block}
+    assert strategy.sharding_strategy == ShardingStrategy.FULL_SHARD and strategy.kwargs["use_orig_params"]
+    # The policy picks exactly the model's transformer blocks.
+    model = cli.model.model
+    picked = [m for m in model.modules() if wrap._module_classes & {type(m)}]
+    assert picked == list(model.blocks)
