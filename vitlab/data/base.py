@@ -344,6 +344,20 @@ class ImageDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed) if train else None,
         )
 
+    def _stream_loader(self, dataset: Any, train: bool, batch_size: int) -> DataLoader:
+        """Loader for a streamed (iterable) dataset, which learns the epoch from the trainer to reshuffle."""
+        workers = self.resolved_num_workers
+        trainer = self._trainer()
+        return EpochLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers > 0,
+            collate_fn=self.train_collate() if train else None,
+            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
+        )
+
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")

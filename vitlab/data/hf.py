@@ -15,7 +15,7 @@ from typing import Any
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from vitlab.data.base import BadImageError, EpochLoader, ImageDataModule, load_rgb
+from vitlab.data.base import BadImageError, ImageDataModule, load_rgb
 from vitlab.data.transforms import pil_to_rgb
 
 log = logging.getLogger("vitlab.data")
@@ -206,14 +206,4 @@ class HFDataModule(ImageDataModule):
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
         if not isinstance(dataset, IterableDataset):
             return super()._loader(dataset, train)
-        workers = self.resolved_num_workers
-        trainer = self._trainer()
-        return EpochLoader(
-            dataset,
-            batch_size=self.per_device_batch_size,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=workers > 0,
-            collate_fn=self.train_collate() if train else None,
-            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
-        )
+        return self._stream_loader(dataset, train, self.per_device_batch_size)

@@ -42,7 +42,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitlab.data.base import (
     BadImageError,
-    EpochLoader,
     ImageDataModule,
     SharedCounter,
     available_cpus,
@@ -505,19 +504,5 @@ class ShardDataModule(ImageDataModule):
         self.train_dataset = self.dataset("train")
         self.val_dataset = self.dataset("val")
 
-    def _current_epoch(self) -> int:
-        trainer = self._trainer()
-        return int(trainer.current_epoch) if trainer is not None else 0
-
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
-        workers = self.resolved_num_workers
-        trainer = self._trainer()
-        return EpochLoader(
-            dataset,
-            batch_size=dataset.batch_size,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=workers > 0,
-            collate_fn=self.train_collate() if train else None,
-            epoch_fn=self._current_epoch if trainer is not None else None,
-        )
+        return self._stream_loader(dataset, train, dataset.batch_size)
