@@ -45,6 +45,27 @@ def test_forward_features_and_head_split() -> None:
     assert m.forward_head(tokens, pre_logits=True).shape == (3, 32)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(lsa=True), dict(grad_checkpointing=True)])
+def test_class_token_fast_path_equals_full_forward(options: dict) -> None:
+    """`forward` runs the last block for the class token only; logits and gradients must not change."""
+    torch.manual_seed(0)
+    ckpt = options.pop("grad_checkpointing", False)
+    m = tiny(depth=3, **options).train()
+    m.set_grad_checkpointing(ckpt)
+    with torch.no_grad():  # a non-zero head so that every parameter gets a gradient
+        m.head.weight.normal_(std=0.5)
+    x = torch.randn(4, 3, 32, 32)
+    grads = []
+    for fn in (m, lambda x: m.forward_head(m.forward_features(x))):
+        m.zero_grad()
+        out = fn(x)
+        F.cross_entropy(out, torch.arange(4)).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+        grads[-1].append(out.detach())
+    for fast, full in zip(*grads):
+        torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-4)
+
+
 def test_non_square_images() -> None:
     m = tiny(img_size=(32, 48)).eval()
     assert m.patch_embed.grid_size == (4, 6)

@@ -163,13 +163,17 @@ class Attention(nn.Module):
         if lsa:
             self.log_scale = nn.Parameter(torch.tensor(math.log(self.scale)))
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, return_attn: bool = False, num_queries: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`num_queries=n` attends from the first n tokens only (keys and values stay all tokens)."""
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
+        if num_queries is not None:
+            q = q[:, :, :num_queries]
         scale, mask = self.scale, None
         if self.lsa:
             q, scale = q * self.log_scale.exp(), 1.0
-            n = x.shape[1]
-            mask = ~torch.eye(n, dtype=torch.bool, device=x.device)
+            mask = ~torch.eye(q.shape[2], x.shape[1], dtype=torch.bool, device=x.device)
         attn = None
         if return_attn:  # explicit path, only for analysis: hands back the probabilities
             logits = (q * scale) @ k.transpose(-2, -1)
@@ -237,8 +241,12 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x))[0])
+    def forward(self, x: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
+        """`num_queries=n` returns only the first n tokens' outputs, computed from all tokens."""
+        y = self.attn(self.norm1(x), num_queries=num_queries)[0]
+        if num_queries is not None:
+            x = x[:, :num_queries]
+        x = x + self.drop_path1(y)
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,15 +369,17 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return self.pos_drop(x + self.pos_embed)
 
+    def run_blocks(self, x: torch.Tensor, blocks: nn.Sequential, num_queries: int | None = None) -> torch.Tensor:
+        """Embedded tokens through `blocks`; `num_queries` is passed to the last one."""
+        ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
+        for i, blk in enumerate(blocks):
+            nq = num_queries if i == len(blocks) - 1 else None
+            x = checkpoint(blk, x, nq, use_reentrant=False) if ckpt else blk(x, nq)
+        return x
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images `[B, C, H, W]` -> all tokens after the final norm `[B, prefix + h*w, D]`."""
-        x = self.embed(x)
-        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-            for blk in self.blocks:
-                x = checkpoint(blk, x, use_reentrant=False)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        return self.norm(self.run_blocks(self.embed(x), self.blocks))
 
     def pool_tokens(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool == "token":
@@ -385,7 +395,15 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        """Images -> logits, equal to `forward_head(forward_features(x))`.
+
+        With class-token pooling the head reads one token, so the last block computes its
+        attention query, MLP and the final norm for the class token alone: the same logits and
+        gradients for about 1/depth less work.
+        """
+        if self.pool != "token":
+            return self.forward_head(self.forward_features(x))
+        return self.forward_head(self.norm(self.run_blocks(self.embed(x), self.blocks, num_queries=1)))
 
     @torch.no_grad()
     def forward_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
