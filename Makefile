@@ -16,11 +16,12 @@ PRETRAIN_RUN    ?= runs/pretrain
 FINETUNE_RUN    ?= runs/finetune
 SHARED_SUBSET   ?= ../shared/data/cifar10-subset
 
+comma := ,
 # Flags every training command shares: data, devices, nodes, loggers.
 COMMON = $(if $(DATA),--data_path $(DATA)) \
          $(if $(GPUS),--trainer.accelerator=gpu --trainer.devices=$(GPUS) $(if $(filter-out 1,$(GPUS)),--trainer.strategy=ddp)) \
          $(if $(NODES),--trainer.num_nodes=$(NODES)) \
-         $(if $(LOGGER),--loggers='[tensorboard,csv,$(LOGGER)]')
+         $(if $(LOGGER),--loggers='[tensorboard$(comma)csv$(comma)$(LOGGER)]')
 
 .PHONY: install test pretrain finetune dashboard bench bench-accuracy clean
 

@@ -59,3 +59,53 @@ def test_unknown_recipe_key_is_rejected_with_choices(tmp_path: Path, tiny_tree: 
     bad.write_text("model:\n  model_args:\n    patchsize: 4\n")
     with pytest.raises(SystemExit, match="did you mean 'patch_size'.*valid keys: img_size, patch_size"):
         VitlabCLI(args=["--config", str(bad), "--data_path", str(tiny_tree), "--run_dir", str(tmp_path)], run=False)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_fit_args(target: str, *variables: str) -> list[str]:
+    """The `vitlab fit` arguments `make TARGET VARIABLES` would run (from `make -n`)."""
+    import shlex
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", target, *variables], cwd=REPO, capture_output=True, text=True, check=True)
+    words = shlex.split(out.stdout.replace("\\\n", " "))
+    start = next(i for i, w in enumerate(words) if w.endswith("vitlab") and words[i + 1 : i + 2] == ["fit"])
+    return words[start + 2 :]
+
+
+@pytest.mark.parametrize(
+    "variables, loggers",
+    [
+        ((), ["TensorBoardLogger", "CSVLogger"]),
+        (("LOGGER=wandb", "GPUS=2", "NODES=2", "ARGS=--trainer.max_epochs=3"),
+         ["TensorBoardLogger", "CSVLogger", "WandbLogger"]),
+    ],
+)  # fmt: skip
+def test_make_targets_pass_a_command_line_the_cli_accepts(
+    variables: tuple[str, ...], loggers: list[str], tiny_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make pretrain` / `make finetune` with every variable: the printed command parses and builds."""
+    from vitlab import create_model, save_pretrained
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = yaml.safe_load((REPO / "recipes/finetune/cifar10_vit_tiny_64px_cpu.yaml").read_text())
+    source = tmp_path / "pretrained"
+    save_pretrained(create_model("vit_tiny_patch16", img_size=32, num_classes=2, **recipe["model"]["model_args"]), source)
+    common = (f"DATA={tiny_tree}", *variables)
+    for target, extra in [("pretrain", ()), ("finetune", (f"CKPT={source}",))]:
+        args = make_fit_args(target, f"RUN={tmp_path / target}", *common, *extra)
+        assert args[args.index("--run_dir") + 1] == str(tmp_path / target)
+        assert args[args.index("--data_path") + 1] == str(tiny_tree)
+        if "GPUS=2" in variables:
+            assert {"--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.num_nodes=2"} <= set(args)
+        cli = VitlabCLI(args=[*args, *CPU], run=False)  # the device flags are overridden to run here
+        assert [type(lg).__name__ for lg in cli.trainer.loggers] == loggers
+        if "ARGS=--trainer.max_epochs=3" in variables:
+            assert cli.trainer.max_epochs == 3
+        if target == "finetune":
+            assert cli.model.model.patch_embed.img_size == (64, 64)
