@@ -66,13 +66,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_fit_args(target: str, *variables: str) -> list[str]:
     """The `vitlab fit` arguments `make TARGET VARIABLES` would run (from `make -n`)."""
+    import os
     import shlex
     import shutil
     import subprocess
 
     if not shutil.which("make"):
         pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", target, *variables], cwd=REPO, capture_output=True, text=True, check=True)
+    # As a fresh shell would: `make test` passes its own flags and level down to every child make.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", target, *variables],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
     words = shlex.split(out.stdout.replace("\\\n", " "))
     start = next(i for i, w in enumerate(words) if w.endswith("vitlab") and words[i + 1 : i + 2] == ["fit"])
     return words[start + 2 :]

@@ -93,29 +93,32 @@ def figure_to_array(fig: Any) -> np.ndarray:
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
-def _grid_shape(n: int) -> tuple[int, int]:
-    cols = max(1, math.ceil(math.sqrt(n)))
-    return math.ceil(n / cols), cols
+def _image_grid(images: np.ndarray, draw: Any, title: str, cell_height: float, title_room: float, hspace: float) -> Any:
+    """A near-square grid with `draw(ax, i)` called for each image's cell; empty cells stay blank."""
+    cols = max(1, math.ceil(math.sqrt(len(images))))
+    rows = math.ceil(len(images) / cols)
+    height = cell_height * rows + 0.35
+    fig = new_figure((1.7 * cols, height), dpi=100)
+    for i, ax in enumerate(np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()):
+        ax.set_axis_off()
+        if i < len(images):
+            ax.imshow(images[i], interpolation="nearest")
+            draw(ax, i)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1.0 - title_room / height, wspace=0.1, hspace=hspace)
+    fig.suptitle(title, fontsize=9, y=1.0 - 0.06 / height, va="top")
+    return fig
 
 
 def plot_prediction_grid(images: np.ndarray, targets: Sequence[int], preds: Sequence[int], names: Sequence[str]) -> Any:
     """Each image titled `true / pred`, green when right and red when wrong."""
-    rows, cols = _grid_shape(len(images))
-    height = 1.9 * rows + 0.35
-    fig = new_figure((1.7 * cols, height), dpi=100)
-    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
-    for i, ax in enumerate(axes):
-        ax.set_axis_off()
-        if i >= len(images):
-            continue
-        ax.imshow(images[i], interpolation="nearest")
+
+    def draw(ax: Any, i: int) -> None:
         ok = int(targets[i]) == int(preds[i])
         ax.set_title(
             f"{_short(names[targets[i]])}\n→ {_short(names[preds[i]])}", fontsize=7, color="green" if ok else "red"
         )
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1.0 - 0.75 / height, wspace=0.1, hspace=0.5)
-    fig.suptitle("validation samples: true → predicted", fontsize=9, y=1.0 - 0.06 / height, va="top")
-    return fig
+
+    return _image_grid(images, draw, "validation samples: true → predicted", 1.9, 0.75, 0.5)
 
 
 def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[int], names: Sequence[str]) -> Any:
@@ -124,25 +127,17 @@ def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[
     Each map is stretched to its own [min, max]: early in training attention is nearly uniform, and
     a plain max-scaling would paint every image the same colour.
     """
-    rows, cols = _grid_shape(len(images))
     size = images.shape[1:3]
     up = F.interpolate(heat[:, None].float().cpu(), size=size, mode="bilinear", align_corners=False)[:, 0]
     lo = up.flatten(1).amin(dim=1).view(-1, 1, 1)
     hi = up.flatten(1).amax(dim=1).view(-1, 1, 1)
     up = ((up - lo) / (hi - lo).clamp_min(1e-12)).numpy()
-    height = 1.8 * rows + 0.35
-    fig = new_figure((1.7 * cols, height), dpi=100)
-    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
-    for i, ax in enumerate(axes):
-        ax.set_axis_off()
-        if i >= len(images):
-            continue
-        ax.imshow(images[i], interpolation="nearest")
+
+    def draw(ax: Any, i: int) -> None:
         ax.imshow(up[i], cmap="jet", alpha=0.5, vmin=0.0, vmax=1.0, interpolation="bilinear")
         ax.set_title(_short(names[preds[i]]), fontsize=7)
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1.0 - 0.6 / height, wspace=0.1, hspace=0.3)
-    fig.suptitle("last-layer attention to the patches (heads averaged)", fontsize=9, y=1.0 - 0.06 / height, va="top")
-    return fig
+
+    return _image_grid(images, draw, "last-layer attention to the patches (heads averaged)", 1.8, 0.6, 0.3)
 
 
 def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str]) -> Any:
