@@ -6,6 +6,10 @@ data options."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -66,11 +70,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_fit_args(target: str, *variables: str) -> list[str]:
     """The `vitlab fit` arguments `make TARGET VARIABLES` would run (from `make -n`)."""
-    import os
-    import shlex
-    import shutil
-    import subprocess
-
     if not shutil.which("make"):
         pytest.skip("make is not installed")
     # As a fresh shell would: `make test` passes its own flags and level down to every child make.

@@ -369,17 +369,18 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return self.pos_drop(x + self.pos_embed)
 
-    def run_blocks(self, x: torch.Tensor, blocks: nn.Sequential, num_queries: int | None = None) -> torch.Tensor:
-        """Embedded tokens through `blocks`; `num_queries` is passed to the last one."""
+    def _run_blocks(self, x: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
+        """Embedded tokens through the blocks; `num_queries` is passed to the last one."""
         ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
-        for i, blk in enumerate(blocks):
-            nq = num_queries if i == len(blocks) - 1 else None
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            nq = num_queries if i == last else None
             x = checkpoint(blk, x, nq, use_reentrant=False) if ckpt else blk(x, nq)
         return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images `[B, C, H, W]` -> all tokens after the final norm `[B, prefix + h*w, D]`."""
-        return self.norm(self.run_blocks(self.embed(x), self.blocks))
+        return self.norm(self._run_blocks(self.embed(x)))
 
     def pool_tokens(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool == "token":
@@ -403,7 +404,7 @@ class VisionTransformer(nn.Module):
         """
         if self.pool != "token":
             return self.forward_head(self.forward_features(x))
-        return self.forward_head(self.norm(self.run_blocks(self.embed(x), self.blocks, num_queries=1)))
+        return self.forward_head(self.norm(self._run_blocks(self.embed(x), num_queries=1)))
 
     @torch.no_grad()
     def forward_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
