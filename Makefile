@@ -1,6 +1,7 @@
-# vitlab: `make pretrain`, then `make finetune`; `make test` checks everything.
+# vitlab: `make pretrain` (Tiny-ImageNet-200, 32px), then `make finetune` (Imagenette, 64px);
+# `make test` checks everything.
 #
-#   RECIPE=  recipe YAML (defaults below)      DATA=   image folder, shard folder, cifar10 or cifar100
+#   RECIPE=  recipe YAML (defaults below)      DATA=   image folder, shard folder(s), cifar10 or cifar100
 #   RUN=     run folder (everything lands here) CKPT=   what finetune starts from
 #   GPUS=    devices per node (DDP when > 1)    NODES=  number of nodes
 #   LOGGER=  wandb to log to Weights & Biases too (offline without an API key)
@@ -10,11 +11,12 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 VITLAB := $(VENV)/bin/vitlab
 
-PRETRAIN_RECIPE ?= recipes/pretrain/cifar10_vit_tiny_cpu.yaml
-FINETUNE_RECIPE ?= recipes/finetune/cifar10_vit_tiny_64px_cpu.yaml
+PRETRAIN_RECIPE ?= recipes/pretrain/tinyimagenet_vit_cpu.yaml
+FINETUNE_RECIPE ?= recipes/finetune/imagenette_64px_cpu.yaml
 PRETRAIN_RUN    ?= runs/pretrain
 FINETUNE_RUN    ?= runs/finetune
 SHARED_SUBSET   ?= ../shared/data/cifar10-subset
+SHARED_DATA     ?= ../shared/data
 
 comma := ,
 # Flags every training command shares: data, devices, nodes, loggers.
@@ -23,7 +25,7 @@ COMMON = $(if $(DATA),--data_path $(DATA)) \
          $(if $(NODES),--trainer.num_nodes=$(NODES)) \
          $(if $(LOGGER),--loggers='[tensorboard$(comma)csv$(comma)$(LOGGER)]')
 
-.PHONY: install test pretrain finetune dashboard bench bench-accuracy clean
+.PHONY: install test pretrain finetune dashboard bench bench-accuracy bench-transfer clean
 
 install: $(VENV)/.installed
 
@@ -43,8 +45,8 @@ finetune: install
 	$(VITLAB) fit --config $(or $(RECIPE),$(FINETUNE_RECIPE)) --run_dir $(or $(RUN),$(FINETUNE_RUN)) \
 		--model.init_from $(or $(CKPT),$(PRETRAIN_RUN)/checkpoints/last.ckpt) $(COMMON) $(ARGS)
 
-dashboard: install
-	$(VENV)/bin/tensorboard --logdir runs --bind_all
+dashboard: install  # PORT= (default 6006), LOGDIR= (default runs/)
+	$(VENV)/bin/tensorboard --logdir $(or $(LOGDIR),runs) --port $(or $(PORT),6006) --bind_all
 
 bench: install
 	$(PY) bench/bench_model.py $(BENCH_ARGS)
@@ -52,6 +54,10 @@ bench: install
 
 bench-accuracy: install
 	$(PY) bench/bench_accuracy.py --data $(or $(DATA),$(SHARED_SUBSET)) $(BENCH_ARGS)
+
+bench-transfer: install
+	$(PY) bench/bench_transfer.py --pretrain-data $(SHARED_DATA)/tinyimagenet-200-shards \
+		--finetune-data $(SHARED_DATA)/imagenette-128-shards $(BENCH_ARGS)
 
 clean:
 	rm -rf runs lightning_logs

@@ -170,3 +170,23 @@ class PeakMemory:
         else:
             top = _read_hwm_bytes() or self._proc.memory_info().rss
         self.peak = max(0, top - self._base)
+
+
+def train_step_seconds(model_args: dict[str, Any], img_size: int, num_classes: int, batch: int, steps: int) -> float:
+    """Fastest of `steps` AdamW training steps (forward, backward, update) of a vitlab model built from
+    a recipe's `model_args`, on random images; the first step, which allocates, is left out."""
+    from vitlab.models import create_model
+
+    model = create_model("vit_tiny_patch16", **{**model_args, "img_size": img_size, "num_classes": num_classes})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = torch.randn(batch, 3, img_size, img_size), torch.randint(0, num_classes, (batch,))
+    best = float("inf")
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best

@@ -39,3 +39,15 @@ def cifar_shards() -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tinyimagenet_shards() -> Path:
+    """Tiny-ImageNet-200 as train/ (60,000) and val/ (10,000) webdataset shard folders, classes.txt."""
+    return _need(SHARED_DATA / "tinyimagenet-200-shards")
+
+
+@pytest.fixture(scope="session")
+def imagenette_shards() -> Path:
+    """Imagenette at 128px: train/ only (9,469 samples in 2 shards), classes.txt."""
+    return _need(SHARED_DATA / "imagenette-128-shards")

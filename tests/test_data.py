@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import collections
 import io
+import math
+import pickle
 import shutil
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -25,7 +28,7 @@ from vitlab.data import (
     per_device_batch,
     train_transform,
 )
-from vitlab.data.base import EpochLoader
+from vitlab.data.loaders import EpochLoader, EqualBatchSampler
 from vitlab.data.shards import ShardStream, key_in_val, split_range
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -311,6 +314,19 @@ def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 3, 32, 32) and set(y.tolist()) <= {0, 1, 2}
     assert sorted(torch.cat([b[1] for b in dm.val_dataloader()]).tolist()) == [0, 0, 1, 1, 2, 2]
+    assert dm.test_dataset is None  # no test split: `vitlab test` scores the validation data
+    assert sorted(torch.cat([b[1] for b in dm.test_dataloader()]).tolist()) == [0, 0, 1, 1, 2, 2]
+
+    # A test split is what `vitlab test` scores, and model selection never sees it.
+    for c in ["cat", "dog", "ship"]:
+        link_files(cifar_subset / "val" / c, tmp_path / "hf_test" / "test" / c, 3, offset=2)
+        shutil.copytree(root / "train" / c, tmp_path / "hf_test" / "train" / c, symlinks=True)
+        shutil.copytree(root / "validation" / c, tmp_path / "hf_test" / "validation" / c, symlinks=True)
+    with_test = HFDataModule("imagefolder", data_dir=str(tmp_path / "hf_test"), cache_dir=str(tmp_path / "cache"),
+                             **SMALL)  # fmt: skip
+    with_test.setup("fit")
+    assert len(with_test.val_dataset) == 6 and len(with_test.test_dataset) == 9
+    assert sorted(torch.cat([b[1] for b in with_test.test_dataloader()]).tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
     held = HFDataModule("imagefolder", data_dir=str(root / "train"), cache_dir=str(tmp_path / "cache"),
                         val_split=None, val_fraction=0.33, **SMALL)  # fmt: skip
@@ -319,6 +335,30 @@ def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no column 'img'"):
         HFDataModule("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / "cache"), image_column="img",
                      **SMALL).setup("fit")  # fmt: skip
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hf_streaming_gives_every_rank_the_same_batches(cifar_subset: Path, tmp_path: Path, num_workers: int) -> None:
+    """17 train and 7 validation images streamed over 2 ranks (neither divides): every rank must yield
+    the same number of batches (8 images: 4 of the per-device 2), or DDP waits forever at the epoch's end;
+    no image on two ranks, at most world_size - 1 dropped."""
+    root = tmp_path / "hf"
+    link_files(cifar_subset / "train" / "cat", root / "train" / "cat", 9)
+    link_files(cifar_subset / "train" / "dog", root / "train" / "dog", 8)
+    link_files(cifar_subset / "val" / "cat", root / "validation" / "cat", 4)
+    link_files(cifar_subset / "val" / "dog", root / "validation" / "dog", 3)
+    kw = {**SMALL, "num_workers": num_workers, "auto_augment": None}
+    train_sizes, val_images = [], []
+    for rank in (0, 1):
+        dm = HFDataModule("imagefolder", data_dir=str(root), streaming=True, cache_dir=str(tmp_path / "cache"), **kw)
+        dm.trainer = SimpleNamespace(world_size=2, global_rank=rank, num_devices=2, current_epoch=0)
+        dm.setup("fit")
+        train_sizes.append([len(y) for _, y in dm.train_dataloader()])
+        val_images.append(torch.cat([x for x, _ in dm.val_dataloader()]))
+    assert train_sizes == [[2, 2, 2, 2], [2, 2, 2, 2]]
+    assert [len(v) for v in val_images] == [3, 3]
+    flat = torch.cat(val_images).flatten(1)
+    assert len({tuple(r.tolist()) for r in flat}) == 6  # 6 distinct images: none on both ranks
 
 
 # ---- transforms, collate, batch arithmetic, CIFAR --------------------------------------------------
@@ -364,17 +404,55 @@ def test_train_transform_modes(cifar_subset: Path) -> None:
         ImageFolderDataModule("x", interpolation="cubic")
 
 
+def check_mixed(x: torch.Tensor, y: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Checks a mixed batch of constant images (image k is filled with k + 1, class k) against its
+    soft targets; returns ("mixup" | "cutmix", each image's own-class weight).
+
+    Each target row must put weight w on its own class and 1 - w on one partner class p; MixUp then
+    makes every pixel w (k + 1) + (1 - w) (p + 1), CutMix pastes a box of image p, so that a fraction
+    1 - w of the pixels is p + 1 and the rest k + 1.
+    """
+    n = len(y)
+    assert y.shape == (n, n) and y.dtype == torch.float32 and (y >= 0).all()
+    torch.testing.assert_close(y.sum(1), torch.ones(n))
+    own = y.diagonal().clone()
+    others = y.clone()
+    others.fill_diagonal_(0)
+    partner = others.argmax(1)
+    mixed = own < 1 - 1e-6
+    assert (others.gt(1e-6).sum(1) <= 1).all(), y  # at most one partner per image
+    kinds = set()
+    for k in range(n):
+        img, w, p = x[k], float(own[k]), int(partner[k]) if mixed[k] else k
+        if torch.allclose(img, torch.full_like(img, w * (k + 1) + (1 - w) * (p + 1)), atol=1e-5):
+            kinds.add("mixup" if 1e-6 < w < 1 - 1e-6 else "none")
+            continue
+        from_self, from_partner = img.eq(k + 1), img.eq(p + 1)
+        assert (from_self | from_partner).all(), f"image {k}: pixels neither its own nor its partner's"
+        assert from_self.float().mean().item() == pytest.approx(w, abs=1e-6), f"image {k}: area != target weight"
+        kinds.add("cutmix")
+    assert len(kinds - {"none"}) <= 1, kinds  # one operation per batch
+    return (kinds - {"none"} or {"none"}).pop(), own
+
+
 @pytest.mark.parametrize("mixup,cutmix", [(0.8, 0.0), (0.0, 1.0), (0.8, 1.0)])
-def test_mixup_cutmix_collate(mixup: float, cutmix: float) -> None:
-    batch = [(torch.rand(3, 32, 32), i % 5) for i in range(8)]
-    collate = mixup_cutmix_collate(5, mixup, cutmix)
-    for _ in range(3):
-        x, y = collate(batch)
-        assert x.shape == (8, 3, 32, 32) and y.shape == (8, 5) and y.dtype == torch.float32
-        torch.testing.assert_close(y.sum(1), torch.ones(8))
-        assert (y >= 0).all()
-    x, y = mixup_cutmix_collate(5)(batch)
+def test_mixup_cutmix_mixes_images_and_targets_in_the_same_proportions(mixup: float, cutmix: float) -> None:
+    n = 8
+    batch = [(torch.full((3, 32, 32), float(k + 1)), k) for k in range(n)]
+    collate = mixup_cutmix_collate(n, mixup, cutmix)
+    kinds, weights = [], []
+    for _ in range(20):
+        kind, own = check_mixed(*collate(batch))
+        kinds.append(kind)
+        weights.append(own)
+    w = torch.cat(weights)
+    # Mixing happens: Beta(alpha, alpha) weights, strictly inside (0, 1) and spread around 1/2.
+    assert (w < 0.99).float().mean() > 0.5 and w.min() < 0.5 < w.max(), w
+    want = {"mixup"} if cutmix == 0 else {"cutmix"} if mixup == 0 else {"mixup", "cutmix"}
+    assert set(kinds) == want, kinds
+    x, y = mixup_cutmix_collate(5)(batch[:5] + batch[:3])
     assert y.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert torch.equal(x[:, 0, 0, 0], torch.tensor([1.0, 2, 3, 4, 5, 1, 2, 3]))
 
 
 def test_global_batch_per_device(cifar_subset: Path, tmp_path: Path) -> None:
@@ -399,6 +477,75 @@ def test_cifar_missing_names_the_folder(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"cifar-10-batches-py.*DATA=<ImageFolder path>.*ImageFolderDataModule"):
         dm.setup("fit")
     dm.prepare_data()  # download=False: never touches the network
+
+
+def fake_cifar10(subset: Path, root: Path, n_train: int, n_test: int) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's CIFAR-10 python layout under `root`, from real subset images: `n_train` per class
+    in data_batch_1 (batches 2-5 empty) and `n_test` per class (from the subset's val/) in test_batch.
+    Returns (train pixels [N, 3072], test pixels) in file order."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    out = []
+    for name, split, n in (("data_batch_1", "train", n_train), ("test_batch", "val", n_test)):
+        pixels, labels = [], []
+        for label, c in enumerate(CLASSES):
+            for f in sorted((subset / split / c).iterdir())[:n]:
+                pixels.append(np.asarray(Image.open(f).convert("RGB")).transpose(2, 0, 1).reshape(-1))
+                labels.append(label)
+        data = np.stack(pixels).astype(np.uint8)
+        with open(folder / name, "wb") as fh:
+            pickle.dump({"data": data, "labels": labels}, fh)
+        out.append(data)
+    for i in range(2, 6):
+        with open(folder / f"data_batch_{i}", "wb") as fh:
+            pickle.dump({"data": np.zeros((0, 3072), np.uint8), "labels": []}, fh)
+    with open(folder / "batches.meta", "wb") as fh:
+        pickle.dump({"label_names": CLASSES}, fh)
+    return out[0], out[1]
+
+
+def raw_pixels(loader: DataLoader) -> np.ndarray:
+    """Pixels of every image a loader yields, back as the uint8 rows of a CIFAR file (eval transform with
+    mean 0, std 1 and crop_pct 1: a plain /255)."""
+    x = torch.cat([b[0] for b in loader])
+    return (x * 255).round().to(torch.uint8).flatten(1).numpy()
+
+
+def test_cifar_selects_models_on_held_out_train_images_and_tests_on_the_test_split(
+    cifar_subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchvision.datasets.cifar
+
+    # The files are ours, not the release: skip torchvision's md5 checks.
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
+    train_px, test_px = fake_cifar10(cifar_subset, tmp_path / "data", n_train=20, n_test=5)
+    kw = dict(root=str(tmp_path / "data"), download=False, batch_size=16, num_workers=0, mean=(0, 0, 0),
+              std=(1, 1, 1), auto_augment=None, hflip=False)  # fmt: skip
+    dm = CIFARDataModule(**kw)
+    dm.setup("fit")
+    val = raw_pixels(dm.val_dataloader())
+    test = raw_pixels(dm.test_dataloader())
+    # Validation: 10% of each class of the TRAIN split (2 of 20), none of them trained on.
+    assert len(val) == 20 and len(dm.train_dataset) == 180
+    train_rows = {r.tobytes(): i for i, r in enumerate(train_px)}
+    val_idx = sorted(train_rows[r.tobytes()] for r in val)
+    assert collections.Counter(i // 20 for i in val_idx) == {c: 2 for c in range(10)}
+    assert not set(val_idx) & set(dm.train_dataset.indices)
+    assert sorted(val_idx + list(dm.train_dataset.indices)) == list(range(200))
+    assert not {r.tobytes() for r in test_px} & set(train_rows)
+    # Test: exactly the test split, in order.
+    np.testing.assert_array_equal(test, test_px)
+    # The same images are held out every time (every run, every rank).
+    again = CIFARDataModule(**kw)
+    again.setup("fit")
+    np.testing.assert_array_equal(raw_pixels(again.val_dataloader()), val)
+    # The old behaviour on request: validate on the test split, train on all of the train split.
+    on_test = CIFARDataModule(**kw, validate_on_test=True)
+    on_test.setup("fit")
+    np.testing.assert_array_equal(raw_pixels(on_test.val_dataloader()), test_px)
+    assert len(on_test.train_dataset) == 200
+    with pytest.raises(ValueError, match="val_fraction.*validate_on_test"):
+        CIFARDataModule(**kw, val_fraction=0.0)
 
 
 def test_fit_with_lightning(cifar_subset: Path, cifar_shards: Path, tmp_path: Path) -> None:
@@ -437,3 +584,15 @@ def test_fit_with_lightning(cifar_subset: Path, cifar_shards: Path, tmp_path: Pa
         if dm is shards:
             assert probe.epochs_seen == [0, 1]
             assert trainer.num_training_batches == 2
+
+
+def test_equal_batch_sampler_splits_without_repeats_into_equal_counts() -> None:
+    for n, world, batch in [(33, 2, 4), (9, 2, 4), (100, 8, 4), (7, 3, 2)]:
+        ranks = [[list(b) for b in EqualBatchSampler(n, world, r, batch)] for r in range(world)]
+        want = math.ceil(math.ceil(n / world) / batch)
+        assert {len(r) for r in ranks} == {want}, (n, world, batch, ranks)
+        assert all(1 <= len(b) <= batch for r in ranks for b in r)
+        assert sorted(i for r in ranks for b in r for i in b) == list(range(n))  # each image once
+    assert [len(b) for b in EqualBatchSampler(9, 2, 1, 4)] == [3, 1]  # 4 images in the 2 batches rank 0 runs
+    with pytest.raises(ValueError, match="per-device batch of at least 2"):
+        EqualBatchSampler(3, 2, 1, 1)

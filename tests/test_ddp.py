@@ -3,31 +3,81 @@
 
 - validation is exact: every validation image is scored once, so the DDP top-1 equals a
   single-process run of the same weights, on a validation set of odd size where padding would
-  change the result;
+  change the result; under DDP the ranks then run different numbers of validation batches, and
+  with `eval_equal_batches` (automatic under FSDP, whose every forward is collective) the same
+  number, with the same exact metrics;
 - the ranks train on disjoint samples, and their augmentations differ (seed_everything(workers=True)
   gives each rank's DataLoader workers their own seeds);
 - only rank 0 writes: one set of checkpoints, logs and figures;
-- a rank that raises ends the whole job, non-zero and with the error shown, instead of hanging.
+- a rank that raises ends the whole job, non-zero and with the error shown, instead of hanging;
+- SIGTERM ends a job whose ranks are blocked (one waits in a collective the other never joins).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import yaml
-
 from cli_probe import HUNG, csv_rows, last_value, run_cli
+from lightning.pytorch.callbacks import Callback
+
 from vitlab.cli import VitlabCLI, main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
 CLASSES = ["airplane", "frog", "truck"]
-N_TRAIN, N_VAL = 8, 7  # per class: 24 train images (3 steps of 8), 21 validation images (odd)
+# Per class: 24 train images (3 steps of 8), 33 validation images: odd, and split 17 + 16 over two
+# ranks that is 5 batches of 4 on rank 0 and 4 on rank 1.
+N_TRAIN, N_VAL = 8, 11
 DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp"]
+
+
+class CountEvalBatches(Callback):
+    """Writes, per rank, how many validation batches and images it ran (the last non-sanity pass)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.sizes: list[int] = []
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sizes = []
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.sizes.append(len(batch[1]))
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / f"val_rank{trainer.global_rank}.json").write_text(json.dumps(self.sizes))
+
+
+class StallAndSay(Callback):
+    """Blocks rank `rank` at `step` for `seconds` after writing `marker`, so the other rank waits in the
+    step's gradient all-reduce: a job stuck in a collective."""
+
+    def __init__(self, marker: str, rank: int = 1, step: int = 1, seconds: float = 600.0) -> None:
+        self.marker, self.rank, self.step, self.seconds = Path(marker), rank, step, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:  # fmt: skip
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self.marker.write_text(str(os.getpid()))
+            time.sleep(self.seconds)
+
+
+def val_batch_sizes(out: Path) -> tuple[list[int], list[int]]:
+    return tuple(json.loads((out / f"val_rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[return-value]
 
 
 def make_data(src: Path, dst: Path) -> Path:
@@ -66,6 +116,7 @@ def ddp_run(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     probe = tmp / "probe"
     callbacks = [
         {"class_path": "cli_probe.RecordRankData", "init_args": {"out_dir": str(probe)}},
+        {"class_path": "test_ddp.CountEvalBatches", "init_args": {"out_dir": str(probe)}},
         {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 8}},
     ]
     recipe = write_recipe(tmp / "recipe.yaml", data, callbacks)
@@ -91,9 +142,11 @@ def _disjoint_train(r0: dict, r1: dict) -> None:
 def test_validation_is_exact_and_matches_a_single_process(ddp_run: dict) -> None:
     r0, r1 = _ranks(ddp_run["probe"])
     n_val = len(CLASSES) * N_VAL
-    # Every validation image on exactly one rank: no padding duplicates, so unequal counts (11 + 10).
+    # Every validation image on exactly one rank: no padding duplicates, so unequal counts (17 + 16).
     assert sorted(r0["val"] + r1["val"]) == list(range(n_val)), (r0["val_sampler"], r0["val"], r1["val"])
     assert sorted([len(r0["val"]), len(r1["val"])]) == [n_val // 2, n_val - n_val // 2]
+    # ...and unequal batch counts, which DDP evaluation survives (its forward has no collective).
+    assert val_batch_sizes(ddp_run["probe"]) == ([4, 4, 4, 4, 1], [4, 4, 4, 4])
 
     ddp_rows = csv_rows(ddp_run["run"])
     ddp_acc1, ddp_loss = last_value(ddp_rows, "val/acc1"), last_value(ddp_rows, "val/loss")
@@ -105,11 +158,35 @@ def test_validation_is_exact_and_matches_a_single_process(ddp_run: dict) -> None
           "--ckpt_path", str(ddp_run["run"] / "checkpoints" / "last.ckpt")])  # fmt: skip
     rows = csv_rows(single)
     acc1, loss = last_value(rows, "val/acc1"), last_value(rows, "val/loss")
-    # With 0 < c < 21 correct, any duplicate (c + c0) / 22 differs from c / 21: padding would show.
+    # With 0 < c < 33 correct, any duplicate (c + c0) / 34 differs from c / 33: padding would show.
     assert 0.0 < acc1 < 1.0, acc1
     assert round(acc1 * n_val) / n_val == pytest.approx(acc1, abs=1e-6)
     assert ddp_acc1 == acc1, (ddp_acc1, acc1)
     assert ddp_loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_equal_eval_batches_give_every_rank_the_same_count_and_exact_metrics(ddp_run: dict) -> None:
+    """The evaluation path FSDP takes (every forward all-gathers weights, so every rank must run the
+    same number of batches). Lightning refuses FSDP on the CPU, so DDP runs it here, forced by
+    `eval_equal_batches`: no image repeated, no metric biased."""
+    probe, run = ddp_run["tmp"] / "equal_probe", ddp_run["tmp"] / "equal"
+    callbacks = [{"class_path": "test_ddp.CountEvalBatches", "init_args": {"out_dir": str(probe)}}]
+    recipe = write_recipe(ddp_run["tmp"] / "recipe_equal.yaml", ddp_run["data"], callbacks)
+    cwd = ddp_run["tmp"] / "cwd_equal"
+    cwd.mkdir()
+    rc, out, _, _ = run_cli(
+        ["validate", "--config", str(recipe), "--run_dir", str(run), *DDP, "--data.init_args.eval_equal_batches=true",
+         "--ckpt_path", str(ddp_run["run"] / "checkpoints" / "last.ckpt")],
+        cwd, timeout=240,
+    )  # fmt: skip
+    assert rc == 0, out[-4000:]
+    sizes0, sizes1 = val_batch_sizes(probe)
+    assert (sizes0, sizes1) == ([4, 4, 4, 4, 1], [4, 4, 4, 3, 1])  # 17 + 16 images, 5 batches each
+    # The same exact metrics as the unequal path (which equals a single process, checked above).
+    fit_rows, rows = csv_rows(ddp_run["run"]), csv_rows(run)
+    assert last_value(rows, "val/acc1") == last_value(fit_rows, "val/acc1")
+    assert last_value(rows, "val/loss") == pytest.approx(last_value(fit_rows, "val/loss"), rel=1e-5)
 
 
 def test_ranks_train_on_disjoint_samples_with_different_augmentation(ddp_run: dict) -> None:
@@ -232,3 +309,87 @@ def test_fsdp_recipe_builds_its_strategy(cifar_subset: Path, tmp_path: Path) -> 
     model = cli.model.model
     picked = [m for m in model.modules() if wrap._module_classes & {type(m)}]
     assert picked == list(model.blocks)
+
+
+def signal_ddp_job(
+    tmp_path: Path, cifar_subset: Path, stall_s: float, signal_timeout_s: float
+) -> tuple[int, str, float, bool]:
+    """A 2-rank fit whose rank 1 stalls `stall_s` seconds at step 1 (rank 0 waits in the all-reduce);
+    SIGTERM to the job's whole process group (as `timeout` and SLURM send it) 3 s into the stall.
+    Returns (exit code or HUNG after 60 s, output, seconds from the signal to the exit, rank 1 alive after)."""
+    data = make_data(cifar_subset, tmp_path / "data")
+    marker = tmp_path / "stalled"
+    callbacks = [
+        {"class_path": "test_ddp.StallAndSay", "init_args": {"marker": str(marker), "seconds": stall_s}},
+        {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint",
+         "init_args": {"signal_timeout_s": signal_timeout_s}},
+    ]  # fmt: skip
+    recipe = write_recipe(tmp_path / "recipe.yaml", data, callbacks)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": pythonpath}
+    log_path = tmp_path / "job.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vitlab.cli", "fit", "--config", str(recipe), "--run_dir", str(tmp_path / "run"),
+             "--trainer.max_epochs=3", *DDP],
+            cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert marker.exists(), f"rank 1 never reached the stall\n{log_path.read_text()[-3000:]}"
+            time.sleep(3)  # rank 0 is now inside the all-reduce
+            os.killpg(proc.pid, signal.SIGTERM)
+            sent = time.monotonic()
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                rc = HUNG
+            seconds = time.monotonic() - sent
+            rank1 = int(marker.read_text())
+            while _alive(rank1) and time.monotonic() - sent < seconds + 10:
+                time.sleep(0.2)
+            straggler = _alive(rank1)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session we started, nothing else
+            except ProcessLookupError:
+                pass
+    return rc, log_path.read_text(), seconds, straggler
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_at_the_same_batch_and_saves(cifar_subset: Path, tmp_path: Path) -> None:
+    """The signal reaches the ranks at different points (rank 0 inside the all-reduce, rank 1 in Python):
+    both must stop after the same batch, save last.ckpt there and exit 0. Lightning's own notifier
+    broadcasts from inside the signal handler, which mismatches the ranks' collectives here."""
+    rc, out, seconds, straggler = signal_ddp_job(tmp_path, cifar_subset, stall_s=8, signal_timeout_s=60)
+    assert rc != HUNG, f"SIGTERM did not end the job within 60 s\n{out[-3000:]}"
+    assert rc == 0, out[-3000:]
+    assert not straggler and seconds < 30
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2  # the batch of step 1 finished on both ranks, then they stopped
+    assert "termination signal" in out and "resume with --ckpt_path last" in out
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_job_blocked_in_a_collective(cifar_subset: Path, tmp_path: Path) -> None:
+    """Rank 1 never comes back, so rank 0 stays in the all-reduce, where no Python signal handler can
+    run: the watchdog must still end every rank within its bound (5 s here), non-zero, saying why."""
+    rc, out, seconds, straggler = signal_ddp_job(tmp_path, cifar_subset, stall_s=600, signal_timeout_s=5)
+    assert rc != HUNG, f"SIGTERM did not end the job within 60 s\n{out[-3000:]}"
+    assert rc == 124, out[-3000:]
+    assert "SIGTERM received 5 s ago and this process has not stopped" in out, out[-3000:]
+    assert seconds < 30
+    assert not straggler, "rank 1 outlived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -64,12 +64,12 @@ def test_save_load_roundtrip_bit_exact(kw: dict[str, Any], tmp_path: Path) -> No
             assert torch.equal(loaded(x), model(x))
 
 
-def test_overrides_and_config(tmp_path: Path) -> None:
+def test_config_overrides_the_stored_one(tmp_path: Path) -> None:
     save_pretrained(_model(), tmp_path)
-    model = load_pretrained(tmp_path, drop_path_rate=0.1, attn_drop_rate=0.05)
+    model = load_pretrained(tmp_path, config={"drop_path_rate": 0.1, "attn_drop_rate": 0.05})
     assert model.config["drop_path_rate"] == 0.1 and model.blocks[1].drop_path1.p == 0.1
     with pytest.raises(TypeError, match="not_an_arg"):
-        load_pretrained(tmp_path, not_an_arg=1)
+        load_pretrained(tmp_path, config={"not_an_arg": 1})
 
 
 def _lightning_ckpt(model: VisionTransformer, meta: bool = True, prefix: str = "model.") -> dict[str, Any]:
@@ -184,7 +184,7 @@ def test_missing_tensor_in_native_folder(tmp_path: Path) -> None:
 
 
 def test_hf_mismatch_names_source_tensor(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                                  image_size=32, patch_size=8, num_labels=5)  # fmt: skip
     sd = dict(transformers.ViTForImageClassification(cfg).state_dict())
@@ -200,7 +200,7 @@ def test_hf_mismatch_names_source_tensor(tmp_path: Path) -> None:
 
 
 def test_not_a_vit(tmp_path: Path) -> None:
-    torchvision = pytest.importorskip("torchvision")
+    import torchvision
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "resnet.pth")
     with pytest.raises(CheckpointError, match="not a ViT checkpoint"):
         load_pretrained(tmp_path / "resnet.pth")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed as timm_resample
 
 from vitlab import VisionTransformer, create_model, list_models, resample_pos_embed
 from vitlab.models import sincos_pos_embed_2d
@@ -111,12 +114,28 @@ def test_sdpa_path_equals_explicit_attention() -> None:
             assert attn.diagonal(dim1=-2, dim2=-1).abs().max() == 0
 
 
+def sincos_reference(h: int, w: int, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """big_vision's posemb_sincos_2d written out element by element: token (y, x) at index y*w + x is
+    [sin(x w_k), cos(x w_k), sin(y w_k), cos(y w_k)] (each over k), w_k = T^(-k / (dim/4 - 1))."""
+    q = dim // 4
+    omega = [temperature ** (-k / (q - 1)) for k in range(q)]
+    rows = []
+    for y in range(h):
+        for x in range(w):
+            rows.append([f(c * o) for c in (x, y) for f in (math.sin, math.cos) for o in omega])
+    return torch.tensor(rows, dtype=torch.float32)
+
+
 def test_sincos_embedding_is_fixed_and_recomputed_on_resize() -> None:
+    # A hand-computed token first: dim 8, T = 10000, token (y=1, x=2) of a 2x3 grid (index 5).
+    want = [math.sin(2), math.sin(2e-4), math.cos(2), math.cos(2e-4), math.sin(1), math.sin(1e-4), math.cos(1),
+            math.cos(1e-4)]  # fmt: skip
+    torch.testing.assert_close(sincos_pos_embed_2d((2, 3), 8)[5], torch.tensor(want))
     m = tiny(pos_embed="sincos")
     assert not m.pos_embed.requires_grad
-    torch.testing.assert_close(m.pos_embed[0, 1:], sincos_pos_embed_2d((4, 4), 32))
-    m.set_image_size(64)
-    torch.testing.assert_close(m.pos_embed[0, 1:], sincos_pos_embed_2d((8, 8), 32))
+    torch.testing.assert_close(m.pos_embed[0, 1:], sincos_reference(4, 4, 32))
+    m.set_image_size((64, 48))
+    torch.testing.assert_close(m.pos_embed[0, 1:], sincos_reference(8, 6, 32))
 
 
 def test_set_image_size_resamples_grid_part_only() -> None:
@@ -125,7 +144,7 @@ def test_set_image_size_resamples_grid_part_only() -> None:
     m.set_image_size((64, 48))
     assert m.pos_embed.shape == (1, 1 + 8 * 6, 32)
     torch.testing.assert_close(m.pos_embed[:, :1], before[:, :1])
-    expected = resample_pos_embed(before, (8, 6), old_grid=(4, 4))
+    expected = timm_resample(before, new_size=[8, 6], old_size=[4, 4], num_prefix_tokens=1)  # bicubic, antialias
     torch.testing.assert_close(m.pos_embed.detach(), expected)
     assert m.config["img_size"] == [64, 48] and m.data_config["img_size"] == [64, 48]
     assert m(torch.randn(1, 3, 64, 48)).shape == (1, 10)

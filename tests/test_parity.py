@@ -13,12 +13,13 @@ from safetensors.torch import save_file
 from vitlab.interop import load_pretrained
 from vitlab.models.resize import resample_pos_embed
 
-timm = pytest.importorskip("timm")
-transformers = pytest.importorskip("transformers")
-torchvision = pytest.importorskip("torchvision")
+import timm
+import transformers
+import torchvision
 
 from timm.layers import resample_abs_pos_embed  # noqa: E402
 from timm.models.vision_transformer import _load_weights, checkpoint_filter_fn  # noqa: E402
+from timm.models.vision_transformer_hybrid import checkpoint_filter_fn as hybrid_filter_fn  # noqa: E402
 
 TOL = 1e-4
 
@@ -348,3 +349,55 @@ def test_npz_pre_logits_and_bfloat16(tmp_path: Path) -> None:
     model = load_pretrained(tmp_path / "bf16.npz")
     expect = torch.from_numpy(arrays["head/bias"]).bfloat16().float()
     assert torch.equal(model.head.bias, expect)
+
+
+# ---- hybrids and distilled models (timm) ---------------------------------------------------------
+
+
+def test_timm_r50_hybrid_loads_through_load_pretrained(tmp_path: Path) -> None:
+    # timm's vit_base_r50_s16 layout (two transformer blocks keep it cheap): stem, stages, grid inferred;
+    # the resize to 384 is tests/test_hybrid.py's.
+    peer = _perturb(timm.create_model("vit_base_r50_s16_224", num_classes=10, depth=2))
+    model = load_pretrained(_save(peer.state_dict(), tmp_path / "r50.safetensors"))
+    c = model.config
+    assert (c["stem"], c["stem_layers"], c["stem_channels"], c["patch_size"]) == ("resnet", [3, 4, 9], 64, 16)
+    assert c["img_size"] == [224, 224] and model.patch_embed.grid_size == (14, 14)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in peer.parameters())
+    x = torch.randn(1, 3, 224, 224)
+    assert _max_diff(_logits(model, x), _logits(peer, x)) <= TOL
+
+
+def test_timm_root_only_hybrid_resized_on_the_feature_map_grid(tmp_path: Path) -> None:
+    src = _perturb(timm.create_model("vit_tiny_r_s16_p8_224", num_classes=5, depth=2))
+    path = _save(src.state_dict(), tmp_path / "r_ti.pth")
+    peer = timm.create_model("vit_tiny_r_s16_p8_224", num_classes=5, depth=2, img_size=384).eval()
+    peer.load_state_dict(hybrid_filter_fn(src.state_dict(), peer))
+    model = load_pretrained(path, img_size=384)
+    assert model.config["stem_layers"] == [] and model.patch_embed.grid_size == (12, 12)  # 384 / 32
+    x = torch.randn(1, 3, 384, 384)
+    assert _max_diff(model.pos_embed, peer.pos_embed) <= 1e-6
+    assert _max_diff(_logits(model, x), _logits(peer, x)) <= TOL
+
+
+def test_timm_distilled_deit_two_prefix_tokens(tmp_path: Path) -> None:
+    src = _perturb(timm.create_model("deit_tiny_distilled_patch16_224", num_classes=5, depth=2))
+    path = _save(src.state_dict(), tmp_path / "deit.safetensors")
+    model = load_pretrained(path)
+    assert model.distilled and model.num_prefix_tokens == 2 and model.config["img_size"] == [224, 224]
+    assert model.data_config["mean"] == [0.485, 0.456, 0.406]  # DeiT's ImageNet statistics
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        feats = src.forward_features(x)
+        ref = ((src.head(feats[:, 0]).softmax(-1) + src.head_dist(feats[:, 1]).softmax(-1)) / 2).log()
+    assert _max_diff(_logits(model, x), ref) <= TOL
+    # Resampled with both prefix tokens kept, as timm's own filter does.
+    peer = timm.create_model("deit_tiny_distilled_patch16_224", num_classes=5, depth=2, img_size=384).eval()
+    peer.load_state_dict(checkpoint_filter_fn(src.state_dict(), peer))
+    model = load_pretrained(path, img_size=384)
+    assert _max_diff(model.pos_embed, peer.pos_embed) <= 1e-6
+    x = torch.randn(1, 3, 384, 384)
+    with torch.no_grad():
+        feats = peer.forward_features(x)
+        cls_logits, dist_logits = model.forward_distilled(x)
+    assert _max_diff(cls_logits, peer.head(feats[:, 0])) <= TOL
+    assert _max_diff(dist_logits, peer.head_dist(feats[:, 1])) <= TOL

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from vitlab.cli import VitlabCLI
+from vitlab.train import MaskedPatchPretraining
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*/*.yaml"))
 CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto",
@@ -36,7 +37,8 @@ def tiny_tree(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 def test_recipes_exist() -> None:
     names = {f"{p.parent.name}/{p.name}" for p in RECIPES}
-    assert {"pretrain/cifar10_vit_tiny_cpu.yaml", "finetune/cifar10_vit_tiny_64px_cpu.yaml"} <= names
+    assert {"pretrain/tinyimagenet_vit_cpu.yaml", "finetune/imagenette_64px_cpu.yaml", "pretrain/imagenette_scratch_cpu.yaml",
+            "pretrain/cifar10_vit_tiny_cpu.yaml", "finetune/cifar10_vit_tiny_64px_cpu.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -49,7 +51,11 @@ def test_recipe_builds_and_runs(recipe: Path, tiny_tree: Path, tmp_path: Path) -
     size = text["data"]["init_args"]["img_size"]
     assert model.patch_embed.img_size == (size, size)
     with torch.no_grad():
-        assert model(torch.zeros(1, 3, size, size)).shape == (1, 2)
+        if isinstance(cli.model, MaskedPatchPretraining):  # self-supervised: an output per patch, no classes
+            cells = model.patch_embed.grid_size[0] * model.patch_embed.grid_size[1]
+            assert cli.model.eval()(torch.zeros(1, 3, size, size))[0].shape == (1, cells, 512)  # 3-bit colours
+        else:
+            assert model(torch.zeros(1, 3, size, size)).shape == (1, 2)
 
 
 def test_unknown_recipe_key_is_rejected_with_choices(tmp_path: Path, tiny_tree: Path) -> None:

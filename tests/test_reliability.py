@@ -28,8 +28,9 @@ import torch
 import yaml
 
 from vitlab.data import ImageFolderDataModule
-from vitlab.train.checkpointing import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
+from vitlab.train.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
 from vitlab.train.guards import NonFiniteLossError, RunDirError
+from vitlab.train.lightning_internals import TESTED_LIGHTNING, check_lightning_version
 from vitlab.train.redaction import REDACTED, redact, secret_values
 
 TESTS = Path(__file__).resolve().parent
@@ -86,7 +87,7 @@ def write_config(
         "accelerator": "cpu", "devices": 1, "max_epochs": epochs, "deterministic": deterministic,
         "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1,
         "callbacks": callbacks if callbacks is not None else [
-            {"class_path": "vitlab.train.checkpointing.LastCheckpoint",
+            {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint",
              "init_args": {"every_n_train_steps": SAVE_EVERY}}
         ],
     }  # fmt: skip
@@ -336,7 +337,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> dict[str, Any]:
 
 
 def _nan_config(tmp_path: Path, data: Path, guard: dict | None) -> Path:
-    last = {"class_path": "vitlab.train.checkpointing.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}
+    last = {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}
     callbacks: list = [last]
     if guard is not None:
         callbacks.append({"class_path": "vitlab.train.guards.NonFiniteGuard", "init_args": guard})
@@ -426,6 +427,28 @@ def test_full_disk_fails_early(
 # ---- 5. secrets ----------------------------------------------------------------------------------------
 
 
+# Realistic credentials, by variable name (the first four) and by shape alone (the last two).
+CREDENTIALS = {
+    "DB_PASS": "Tr0ub4dor-horse-staple",
+    "HF_TOKEN": "hf_xQ4rTz9LmP2vKc7NwB3yHd8FsJ6gA1eUo",
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    "MY_SERVICE_KEY": "svc.4f1e-prod-71c2",
+    "DEPLOY_SETTING": "ghp_9a8B7c6D5e4F3g2H1i0JkLmNoPqRsTuV",
+    "UPSTREAM": "kP9xQ2mZ7vR4tL8wN3yB6cJ1",
+}
+NOT_CREDENTIALS = {
+    "TOKENIZERS_PARALLELISM": "false_but_long", "SHORT_TOKEN": "1", "PWD": "/work/some/where/long",
+    "LANG": "en_US.UTF-8", "EXPERIMENT": "ImageNet21kTrainSplit2024", "ARCH": "vit_base_patch16_224_in21k",
+    "LD_LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu:/opt/lib",
+}
+
+
+def test_secret_values_by_name_and_by_shape() -> None:
+    found = secret_values({**CREDENTIALS, **NOT_CREDENTIALS})
+    assert sorted(found) == sorted(CREDENTIALS.values())
+    assert [len(v) for v in found] == sorted((len(v) for v in found), reverse=True)  # longest first
+
+
 def test_redact() -> None:
     secrets = secret_values({"WANDB_API_KEY": SECRET, "TOKENIZERS_PARALLELISM": "false_but_long", "SHORT_TOKEN": "1"})
     assert secrets == [SECRET]
@@ -444,18 +467,27 @@ def test_redact() -> None:
 
 
 def test_secrets_never_land_in_run_files(tiny_data: Path, tmp_path: Path) -> None:
-    # The secret is in the environment, and also part of a config value (the data path) on the command line.
-    data = tmp_path / f"data-{SECRET}"
+    # The secrets are in the environment, and also part of a config value (the data path) on the command line.
+    secrets = [SECRET, *CREDENTIALS.values()]
+    data = tmp_path / ("data-" + "-".join(secrets))  # the AWS secret's slashes make it a nested path
+    data.parent.mkdir(parents=True, exist_ok=True)
     data.symlink_to(tiny_data)
     config = write_config(tmp_path / "config.yaml", tiny_data, epochs=1, deterministic=False)
     run = tmp_path / "run"
-    env = cli_env(WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET[::-1], WANDB_MODE="offline", WANDB_SILENT="true")
+    env = cli_env(WANDB_API_KEY=SECRET, WANDB_MODE="offline", WANDB_SILENT="true", **CREDENTIALS)
     cmd = fit_cmd(config, run, f"--data.init_args.root={data}", "--loggers=[tensorboard, csv, wandb]")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink()]
     assert any(p.suffix == ".wandb" for p in files) and (run / "checkpoints" / "last.ckpt").is_file()
-    for secret in (SECRET, "hf_" + SECRET[::-1]):
+    for secret in secrets:
         leaks = [str(p.relative_to(run)) for p in files if secret.encode() in p.read_bytes()]
         assert not leaks, f"{secret!r} written to {leaks}"
+        assert secret not in proc.stdout + proc.stderr, f"{secret!r} in the run's log output"
     assert REDACTED in (run / "config.yaml").read_text()
+
+
+def test_untested_lightning_version_fails_with_a_clear_message() -> None:
+    check_lightning_version(TESTED_LIGHTNING + ".3")
+    with pytest.raises(RuntimeError, match=r"tested on Lightning 2\.6\.x, but Lightning 2\.7\.0 is installed"):
+        check_lightning_version("2.7.0")

@@ -1,5 +1,7 @@
 """Experiment tracking: what a short run leaves in TensorBoard, the CSV and an offline wandb run, read
-back with each tool's own reader, and that all of it stays inside the run folder.
+back with each tool's own reader (and from the server `make dashboard` starts), and that all of it
+stays inside the run folder; the validation figures, their images and the weights they are drawn
+from; the throughput meter's FLOPs.
 
 The wandb runs go through a subprocess, as `vitlab fit` does: Lightning's WandbLogger attaches to a
 wandb run already open in the process, so two in-process fits would share one wandb run.
@@ -7,28 +9,46 @@ wandb run already open in the process, so two in-process fits would share one wa
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from cli_probe import csv_rows, run_cli
 from helpers import subset_tree
 from vitlab.cli import main
+from vitlab.data import ImageFolderDataModule
 from vitlab.models import create_model
-from vitlab.train.figures import last_layer_attention
-from vitlab.train.run import WANDB_ID_KEY
+from vitlab.train import EMA, ViTClassifier, flops_per_image
+from vitlab.train import figures as figures_module
+from vitlab.train.figures import ValidationFigures, last_layer_attention
+from vitlab.train.run_defaults import WANDB_ID_KEY
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = {"patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
-SCALARS = {"train/loss", "val/acc1", "val/acc5", "val/loss", "lr", "train/images_per_sec",
-           "train/samples_seen", "perf/epoch_time_s", "perf/peak_mem_mb"}  # fmt: skip
+# Throughput under the names Lightning's ThroughputMonitor writes (one device: the per-device rates).
+THROUGHPUT = {"train/device/samples_per_sec", "train/device/flops_per_sec"}
+SCALARS = {"train/loss", "val/acc1", "val/loss", "lr", "train/samples_seen", "perf/epoch_time_s",
+           "perf/peak_mem_mb"} | THROUGHPUT  # fmt: skip
 IMAGES = {"val/predictions", "val/attention", "val/confusion_matrix"}
 CALLBACKS = [
-    {"class_path": "vitlab.train.PerfMonitor"},
-    {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 6, "sample": "spread"}},
+    {"class_path": "vitlab.train.PerfMonitor", "init_args": {"window": 2}},  # 3 steps an epoch
+    {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 6}},
     {"class_path": "vitlab.train.figures.FinetuneSource"},
 ]
 
@@ -139,6 +159,9 @@ def test_tensorboard_holds_scalars_and_figures(tracked: dict[str, Any]) -> None:
     tags = acc.Tags()
     assert SCALARS <= set(tags["scalars"]), SCALARS - set(tags["scalars"])
     assert IMAGES <= set(tags["images"]), IMAGES - set(tags["images"])
+    assert "hp_metric" not in tags["scalars"]  # no -1 placeholder in the dashboard
+    assert "val/acc5" not in tags["scalars"]  # 3 classes: top-5 would always be 100%
+    assert "train/device/mfu" not in tags["scalars"]  # a CPU has no known peak FLOPs
     for tag in IMAGES:
         img = acc.Images(tag)[-1]
         assert img.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and img.width >= 200 and img.height >= 200
@@ -152,6 +175,59 @@ def test_csv_has_the_metric_columns(tracked: dict[str, Any]) -> None:
     rows = csv_rows(tracked["run"])
     assert SCALARS <= set(rows[0]), SCALARS - set(rows[0])
     assert [float(r["val/acc1"]) for r in rows if r.get("val/acc1")]
+    # FLOPs/s is FLOPs per image times images/s: both from the same window of batches
+    (flops,) = {flops_per_image(create_model("vit_tiny_patch16", **TINY, img_size=32, num_classes=3))["train"]}
+    rates = [(float(r["train/device/samples_per_sec"]), float(r["train/device/flops_per_sec"]))
+             for r in rows if r.get("train/device/flops_per_sec")]  # fmt: skip
+    assert rates and all(f == pytest.approx(flops * n, rel=1e-6) and n > 0 for n, f in rates)
+
+
+# ---- make dashboard ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get_json(url: str, deadline: float) -> Any:
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_make_dashboard_serves_the_run(tracked: dict[str, Any]) -> None:
+    """`make dashboard` on a free port: TensorBoard's HTTP data API answers with the run's scalar and
+    image tags and values; the server is stopped at the end."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    venv = Path(sys.executable).parent.parent
+    log = tracked["tmp"] / "dashboard.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            ["make", "--no-print-directory", "dashboard", f"VENV={venv}", f"PORT={port}", f"LOGDIR={tracked['run']}"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/data/plugin"
+    try:
+        scalars = _get_json(f"{base}/scalars/tags", time.monotonic() + 120)
+        images = _get_json(f"{base}/images/tags", time.monotonic() + 30)
+        query = urllib.parse.urlencode({"run": "tensorboard", "tag": "val/acc1"})
+        acc1 = _get_json(f"{base}/scalars/scalars?{query}", time.monotonic() + 30)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the session we started: make and its TensorBoard
+        server.wait(timeout=30)
+    assert {"train/loss", "val/acc1", "lr", "train/device/samples_per_sec"} <= set(scalars["tensorboard"]), scalars
+    assert IMAGES <= set(images["tensorboard"]), images
+    assert len(acc1) == 2  # one validation before the resume, one after
+    csv_acc1 = [float(r["val/acc1"]) for r in csv_rows(tracked["run"]) if r.get("val/acc1")]
+    assert acc1[-1][2] == pytest.approx(csv_acc1[-1])  # [wall time, step, value]
 
 
 def test_offline_wandb_run_has_the_same_keys(tracked: dict[str, Any]) -> None:
@@ -201,15 +277,115 @@ def test_finetune_run_records_its_source(
 
 @pytest.mark.parametrize("pool", ["token", "avg", "seq"])
 def test_last_layer_attention_reads_the_pooled_query(pool: str) -> None:
-    """Class-token row for class-token models, the mean of the patch rows for GAP / sequence pooling."""
+    """Class-token row for class-token models, the mean of the patch rows for GAP, and for sequence
+    pooling the rows weighted by the learned pooling weights w = softmax_n(tokens_n . v + b)."""
     args = {"class_token": pool == "token", "pool": pool}
     model = create_model("vit_tiny_patch16", **TINY, **args, img_size=32, num_classes=3).eval()
     x = torch.randn(2, 3, 32, 32)
-    logits, heat = last_layer_attention(model, x)
-    _, attn = model.forward_attention(x)
+    with torch.no_grad():
+        for param in model.parameters():  # far from the near-uniform attention and pooling of the init
+            param.normal_(0.0, 0.5)
+        logits, heat = last_layer_attention(model, x)
+        _, attn = model.forward_attention(x)
+        tokens = model.forward_features(x)
     a = attn[-1].mean(dim=1)
     p = model.num_prefix_tokens
-    row = a[:, 0, p:] if pool == "token" else a[:, p:, p:].mean(dim=1)
+    if pool == "token":
+        row = a[:, 0, p:]
+    elif pool == "avg":
+        row = a[:, p:, p:].mean(dim=1)
+    else:
+        scores = torch.einsum("bnd,d->bn", tokens, model.attn_pool.weight[0]) + model.attn_pool.bias
+        w = scores.softmax(dim=1)
+        row = torch.einsum("bn,bnm->bm", w, a)[:, p:]
+        assert not torch.allclose(row, a[:, p:, p:].mean(dim=1), atol=1e-2)  # the weights matter here
     expected = row.reshape(2, 4, 4)
     torch.testing.assert_close(heat, expected)
     torch.testing.assert_close(logits, model(x))
+
+
+# ---- the validation figures' images and weights --------------------------------------------------------
+
+
+def _fit_with(root: Path, tmp_path: Path, callbacks: list[Callback], epochs: int = 1) -> ViTClassifier:
+    L.seed_everything(0)
+    dm = ImageFolderDataModule(root=str(root), img_size=32, batch_size=4, num_workers=0, train_crop="pad",
+                               auto_augment=None)  # fmt: skip
+    dm.setup("fit")
+    module = ViTClassifier(arch="vit_tiny_patch16", model_args=TINY, num_classes=3, img_size=32, lr=5e-3,
+                           schedule="constant")  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=callbacks)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    return module
+
+
+def test_figure_images_are_spread_over_the_classes(cifar_subset: Path, tmp_path: Path) -> None:
+    """A class-sorted validation folder (6 images per class): the first image of each class, then the
+    second of each; not the first 6 files, which are all one class."""
+    root = subset_tree(cifar_subset, tmp_path / "data", ["airplane", "frog", "truck"], 4, 6)
+    figures = ValidationFigures(num_images=6, save_png=False, confusion_matrix=False)
+    _fit_with(root, tmp_path, [figures])
+    dm = ImageFolderDataModule(root=str(root), img_size=32, batch_size=4, num_workers=0)
+    dm.setup("fit")
+    labels = [int(dm.val_dataset[i][1]) for i in range(18)]
+    assert labels == [0] * 6 + [1] * 6 + [2] * 6  # the folder is class-sorted
+    picks = [0, 6, 12, 1, 7, 13]  # first of airplane, frog, truck; then the second of each
+    assert torch.cat(figures._targets).tolist() == [0, 1, 2, 0, 1, 2]
+    torch.testing.assert_close(figures.images, torch.stack([dm.val_dataset[i][0] for i in picks]))
+
+
+class HeadAtValidationEnd(Callback):
+    """Records the head weights the module holds when its `on_validation_epoch_end` hook runs."""
+
+    def __init__(self) -> None:
+        self.heads: list[torch.Tensor] = []
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.heads.append(pl_module.model.head.weight.detach().clone())
+
+
+def test_figures_are_drawn_from_the_validated_ema_weights(
+    cifar_subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMA swaps its weights in for validation and back at the validation epoch's end; the figures
+    callback sits after EMA (so EMA's swap-back runs first) and must still draw from the EMA weights."""
+    root = subset_tree(cifar_subset, tmp_path / "data", ["airplane", "frog", "truck"], 8, 2)
+    drawn: list[torch.Tensor] = []
+
+    def spy(model: Any, x: torch.Tensor) -> Any:
+        drawn.append(model.head.weight.detach().clone())
+        return last_layer_attention(model, x)
+
+    monkeypatch.setattr(figures_module, "last_layer_attention", spy)
+    validated, raw = HeadAtValidationEnd(), HeadAtValidationEnd()  # before EMA's swap-back, after it
+    figures = ValidationFigures(num_images=3, confusion_matrix=False)  # PNGs: the figures are drawn
+    _fit_with(root, tmp_path, [validated, EMA(decay=0.9), figures, raw], epochs=2)
+    assert len(drawn) == len(validated.heads) == len(raw.heads) == 2
+    for figure_head, ema_head, raw_head in zip(drawn, validated.heads, raw.heads):
+        assert not torch.allclose(ema_head, raw_head)  # the two sets of weights differ
+        torch.testing.assert_close(figure_head, ema_head, rtol=0, atol=0)
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------------
+
+
+def test_flops_per_image_match_the_formula() -> None:
+    """A GAP ViT (every token through every block): forward FLOPs written out, 2 per multiply-add:
+    patch projection, per block qkv + proj (4 D^2 per token), MLP (2 D H), attention scores and
+    weighted sum (2 N^2 D), and the head; training is forward plus backward (twice the forward for
+    every matrix product except the first layer's input gradient, which nothing needs)."""
+    d, h, depth, patch, classes = 32, 64, 2, 8, 3
+    model = create_model("vit_tiny_patch16", **{**TINY, "depth": depth}, img_size=32, num_classes=classes,
+                         pool="avg", class_token=False)  # fmt: skip
+    n = (32 // patch) ** 2
+    embed = 2 * n * d * 3 * patch * patch
+    block = 2 * n * (4 * d * d + 2 * d * h) + 2 * 2 * n * n * d
+    head = 2 * d * classes
+    forward = embed + depth * block + head
+    flops = flops_per_image(model)
+    assert flops["eval"] == forward
+    assert flops["train"] == 3 * forward - embed  # no gradient for the input images
+

@@ -16,15 +16,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from vitlab.data import ImageDataModule
+from vitlab.errors import UserError
+from vitlab.data.shards import SHARD_SUFFIXES, read_classes_txt
+from vitlab.data.unlabelled import NO_LABELS_FIX
+from vitlab.interop.export import FORMATS
 from vitlab.models import VisionTransformer
 from vitlab.train import ViTClassifier
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
 TOOLS = ("predict", "explain", "inspect", "export")
+DEFAULT_MODEL = "vitlab.train.ViTClassifier"  # the LightningModule of a `model:` section without a class_path
 
 
 class SaveRunConfig(SaveConfigCallback):
@@ -40,10 +45,14 @@ class SaveRunConfig(SaveConfigCallback):
 
 
 class VitlabCLI(LightningCLI):
+    """`model:` may name any LightningModule by `class_path` (e.g. `vitlab.train.MaskedPatchPretraining`);
+    a plain section, as every classifier recipe has (`model: {arch: ..., ...}`), configures `ViTClassifier`."""
+
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
-            ViTClassifier,
+            LightningModule,
             ImageDataModule,
+            subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
@@ -71,11 +80,22 @@ class VitlabCLI(LightningCLI):
             "--checkpoint_every_n_steps", type=int | None, default=None,
             help="Also save <run_dir>/checkpoints/last.ckpt every N optimizer steps (a kill loses at most N).",
         )  # fmt: skip
-        # The data decides what the model predicts and how its inputs look.
-        parser.link_arguments("data.init_args.img_size", "model.img_size")
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
-        parser.link_arguments("data.data_config", "model.data_config", apply_on="instantiate")
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})  # init_args without a class_path go here
+        # The data decides what the model predicts and how its inputs look. A model without one of
+        # these arguments is not passed it (MaskedPatchPretraining takes no class count or names).
+        parser.link_arguments("data.init_args.img_size", "model.init_args.img_size")
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.class_names", "model.init_args.class_names", apply_on="instantiate")
+        parser.link_arguments("data.data_config", "model.init_args.data_config", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        model_cls = _import_class(cfg.model.class_path, "model.class_path")
+        if cfg.get("data.init_args.labels", True) is False and getattr(model_cls, "uses_labels", True):
+            raise SystemExit(
+                f"error: the data is configured without labels (labels: false) but {model_cls.__name__} "
+                f"trains on labels; {NO_LABELS_FIX}"
+            )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         args = _expand_data_path(list(sys.argv[1:] if args is None else args))
@@ -83,7 +103,7 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        from vitlab.train.run import run_callbacks, run_loggers, run_plugins
+        from vitlab.train.run_defaults import run_callbacks, run_loggers, run_plugins
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
@@ -107,13 +127,48 @@ def _data_args(path: str) -> list[str]:
         return ["--data=vitlab.data.CIFARDataModule", f"--data.variant={path}"]
     p = Path(path)
     if not p.exists():
-        raise SystemExit(
-            f"DATA path {path!r} does not exist; give an image folder (train/<class>/...), "
-            "a folder of webdataset shards (*.tar, *.tar.gz), or 'cifar10' / 'cifar100'"
-        )
-    if p.is_dir() and (any(p.glob("*.tar")) or any(p.glob("*.tar.gz"))) or p.suffix in (".tar", ".gz"):
-        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}"]
+        raise SystemExit(f"DATA path {path!r} does not exist; {DATA_LAYOUTS}")
+    # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
+    if p.is_file():
+        if p.name.endswith(SHARD_SUFFIXES):
+            return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}", "--data.val_shards=null"]
+        raise SystemExit(f"DATA path {path!r} is a file that is not a shard; {DATA_LAYOUTS}")
+    if _has_shards(p):
+        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}", "--data.val_shards=null"]
+    train = p / "train"
+    if _has_shards(train):
+        val = next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
+        if val is None:
+            return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", "--data.val_shards=null"]
+        if not _has_shards(val):
+            raise SystemExit(f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}")
+        _check_same_classes(train, val)
+        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val}"]
     return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+
+
+DATA_LAYOUTS = (
+    "give an image folder (train/<class>/*.jpg with val/<class>/*.jpg, or <class>/*.jpg), "
+    "a folder of webdataset shards (*.tar / *.tar.gz holding KEY.jpg + KEY.cls, with classes.txt), "
+    "a folder with train/ and val/ folders of such shards, or 'cifar10' / 'cifar100'"
+)
+
+
+def _has_shards(folder: Path) -> bool:
+    return folder.is_dir() and any(f.name.endswith(SHARD_SUFFIXES) for f in folder.iterdir())
+
+
+def _check_same_classes(train: Path, val: Path) -> None:
+    """train/classes.txt and val/classes.txt, where both exist, must list the same classes in the same order."""
+    names = [read_classes_txt(d / "classes.txt") for d in (train, val)]
+    if None not in names and names[0] != names[1]:
+        diff = next(i for i, (a, b) in enumerate(zip(*names, strict=False)) if a != b) if len(names[0]) == len(names[1]) else None
+        where = f"line {diff + 1}: {names[0][diff]!r} vs {names[1][diff]!r}" if diff is not None else (
+            f"{len(names[0])} vs {len(names[1])} classes")
+        raise SystemExit(
+            f"{train}/classes.txt and {val}/classes.txt differ ({where}); the labels in both splits must index "
+            "one class list: copy train/classes.txt to val/ if the labels agree, or rebuild the validation shards"
+        )
 
 
 def _expand_data_path(argv: list[str]) -> list[str]:
@@ -151,6 +206,17 @@ def _reject_unknown(where: str, keys: Any, valid: list[str]) -> None:
             raise SystemExit(f"error: unknown key {where}.{key}; {hint}valid keys: {', '.join(valid)}")
 
 
+def _import_class(class_path: str, where: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SystemExit(
+            f"error: {where} {class_path!r} cannot be imported ({exc}); give the full dotted path, "
+            f"e.g. {DEFAULT_MODEL} or vitlab.train.MaskedPatchPretraining"
+        ) from None
+
+
 def check_recipe(path: str) -> None:
     """Reject recipe typos early, naming the key and listing the valid ones."""
     cfg = yaml.safe_load(Path(path).read_text()) or {}
@@ -158,8 +224,16 @@ def check_recipe(path: str) -> None:
                                 "optimizer", "lr_scheduler", "ckpt_path", "weights_only"])  # fmt: skip
     _reject_unknown(f"{path}: trainer", cfg.get("trainer"), _init_params(Trainer))
     model = cfg.get("model") or {}
-    _reject_unknown(f"{path}: model", model, _init_params(ViTClassifier))
-    _reject_unknown(f"{path}: model.model_args", model.get("model_args"), _init_params(VisionTransformer))
+    if isinstance(model, dict) and "class_path" in model:  # a named LightningModule: check its own arguments
+        _reject_unknown(f"{path}: model", model, ["class_path", "init_args"])
+        model_cls = _import_class(model["class_path"], f"{path}: model.class_path")
+        where, model = f"{path}: model.init_args", model.get("init_args") or {}
+    else:
+        model_cls, where = ViTClassifier, f"{path}: model"
+    params = _init_params(model_cls)
+    _reject_unknown(where, model, params)
+    if "model_args" in params:  # the encoder's constructor arguments, as ViTClassifier takes them
+        _reject_unknown(f"{where}.model_args", model.get("model_args"), _init_params(VisionTransformer))
     data = cfg.get("data") or {}
     if isinstance(data, dict) and isinstance(data.get("class_path"), str):
         module, _, name = data["class_path"].rpartition(".")
@@ -197,8 +271,11 @@ def _tool_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--images", nargs="*", default=None, help="images for the attention-distance figure")
-    p = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json")
+    p = sub.add_parser("export", help="write a checkpoint for vitlab, HF transformers, timm or ONNX Runtime")
     p.add_argument("--ckpt", required=True)
+    p.add_argument("--format", choices=FORMATS, default="vitlab",
+                   help="vitlab: model.safetensors + config.json; hf: a ViTForImageClassification folder; "
+                        "timm: a timm hub folder; onnx: model.onnx (needs pip install 'vitlab[onnx]')")  # fmt: skip
     p.add_argument("--out", required=True, help="output folder")
     return parser
 
@@ -206,9 +283,9 @@ def _tool_parser() -> argparse.ArgumentParser:
 def run_tool(argv: list[str]) -> int:
     args = _tool_parser().parse_args(argv)
     if args.tool == "export":
-        from vitlab.interop import load_pretrained, save_pretrained
+        from vitlab.interop import export
 
-        print(save_pretrained(load_pretrained(args.ckpt), args.out))
+        print(export(args.ckpt, args.format, args.out))
         return 0
     from vitlab.analysis import commands
 
@@ -223,8 +300,23 @@ def run_tool(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `vitlab` command. From the command line (`argv` None) a user error (`is_user_error`) prints
+    one line with its fix and returns 1, with the traceback only under `VITLAB_DEBUG=1`; called with
+    `argv` (scripts, tests) every exception propagates."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        return _run(argv)
+    except Exception as exc:
+        reported = user_error(exc)
+        if not from_command_line or os.environ.get("VITLAB_DEBUG") == "1" or reported is None:
+            raise
+        print(f"vitlab: error: {reported}\n(VITLAB_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] in TOOLS:
         return run_tool(argv)
     try:
@@ -234,6 +326,38 @@ def main(argv: list[str] | None = None) -> int:
         raise
     _finish_wandb(failed=False)
     return 0
+
+
+_SOURCE = Path(__file__).resolve().parent
+# The built-in types vitlab's modules raise for bad input (a bad value, a missing folder, an
+# unwritable run folder, data that is not there); each carries a message written for the user.
+_REPORTED_BUILTINS = (ValueError, OSError, RuntimeError)
+
+
+def user_error(exc: BaseException) -> BaseException | None:
+    """The user error behind `exc`: itself or the first exception it was raised from (the CLI's
+    argument parser re-raises a failed constructor's error as its own) that `is_user_error`."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if is_user_error(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """A `UserError`, or one of `_REPORTED_BUILTINS` raised by vitlab's own code; the same type raised
+    inside a library (torch, Lightning) is unexpected and keeps its traceback."""
+    if isinstance(exc, UserError):
+        return True
+    if not isinstance(exc, _REPORTED_BUILTINS) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:  # the frame that raised it
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_SOURCE)
 
 
 def _finish_wandb(failed: bool) -> None:

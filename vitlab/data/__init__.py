@@ -1,7 +1,8 @@
 """Data: LightningDataModules for image folders, webdataset shards, HF datasets and CIFAR, plus transforms."""
 
-from vitlab.data.base import BadImageError, ImageDataModule, per_device_batch
+from vitlab.data.base import ImageDataModule, per_device_batch
 from vitlab.data.cifar import CIFARDataModule
+from vitlab.data.decode import BadImageError
 from vitlab.data.folder import ImageFolderDataModule
 from vitlab.data.hf import HFDataModule
 from vitlab.data.shards import ShardDataModule, ShardStream

@@ -1,4 +1,4 @@
-"""The DataModule base every vitlab data source shares: transforms, batch arithmetic, class names.
+"""The DataModule base every vitlab data source shares: transforms, batch arithmetic, class names, loaders.
 
 Subclasses supply `_discover_class_names()` (cheap: folder names, classes.txt, a ClassLabel) and
 `_setup_datasets(stage)`; the base turns them into loaders with the global-batch/per-device split,
@@ -7,20 +7,19 @@ MixUp/CutMix on train batches, and the `data_config` a checkpoint stores for inf
 
 from __future__ import annotations
 
-import io
-import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from PIL import Image
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from vitlab.data.loaders import BatchedDataset, EpochLoader, EqualBatchSampler, WorkerInit, available_cpus
+from vitlab.data.random_state import WorkerRandomState
 from vitlab.data.transforms import (
     DEFAULT_MEAN,
     DEFAULT_STD,
@@ -29,77 +28,8 @@ from vitlab.data.transforms import (
     TrainCrop,
     eval_transform,
     interpolation_mode,
-    pil_to_rgb,
     train_transform,
 )
-
-log = logging.getLogger("vitlab.data")
-
-
-class BadImageError(RuntimeError):
-    """An image file that cannot be decoded; the message names the file (or shard and key)."""
-
-
-class SharedCounter:
-    """A counter that DataLoader worker processes can bump and the main process can read.
-
-    Shared-memory int64 slots, one per worker id (slot 0 for the main process), so no two processes
-    write the same slot. Counts are per process group member (per DDP rank).
-    """
-
-    SLOTS = 257
-
-    def __init__(self) -> None:
-        self._t = torch.zeros(self.SLOTS, dtype=torch.int64).share_memory_()
-
-    def add(self, n: int = 1) -> None:
-        info = get_worker_info()
-        slot = 0 if info is None else 1 + info.id % (self.SLOTS - 1)
-        self._t[slot] += n
-
-    @property
-    def value(self) -> int:
-        return int(self._t.sum())
-
-    def reset(self) -> None:
-        self._t.zero_()
-
-
-def load_rgb(src: str | os.PathLike | bytes, name: str | None = None) -> Image.Image:
-    """Decode an image file (path or bytes) to RGB now, so corrupt/truncated/empty files fail here.
-
-    Raises BadImageError naming the file instead of a PIL traceback from deep inside a worker.
-    """
-    name = name or str(src)
-    try:
-        with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as img:
-            img.load()  # lazy PIL would otherwise defer truncation errors to the first transform
-            rgb = pil_to_rgb(img)
-            return rgb.copy() if rgb is img else rgb  # detached from the file, which closes here
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, zlib.error... per format
-        raise BadImageError(f"cannot decode image {name}: {type(exc).__name__}: {exc}") from exc
-
-
-class EpochLoader(StatefulDataLoader):
-    """DataLoader that hands an iterable dataset its epoch (`dataset.set_epoch`) before each pass.
-
-    Lightning sets epochs only on samplers, which an IterableDataset has none of; `epoch_fn` (the
-    trainer's current epoch) or else a count of passes provides it. The dataset must keep the epoch
-    in shared memory so persistent workers see it.
-    """
-
-    def __init__(self, dataset: Any, *args: Any, epoch_fn: Callable[[], int] | None = None, **kwargs: Any) -> None:
-        super().__init__(dataset, *args, **kwargs)
-        self.epoch_fn = epoch_fn
-        self.passes = 0
-
-    def __iter__(self) -> Any:
-        epoch = self.epoch_fn() if self.epoch_fn is not None else self.passes
-        self.passes += 1
-        set_epoch = getattr(self.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        return super().__iter__()
 
 
 def per_device_batch(batch_size: int, world_size: int) -> int:
@@ -115,13 +45,6 @@ def per_device_batch(batch_size: int, world_size: int) -> int:
             f"processes (devices x nodes); use a multiple of {world_size}, e.g. {lo} or {lo + world_size}"
         )
     return batch_size // world_size
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # respects taskset/cgroup pinning, unlike cpu_count
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -152,6 +75,7 @@ class ImageDataModule(L.LightningDataModule):
         num_classes: int | None = None,
         skip_bad_images: bool = False,
         seed: int = 0,
+        eval_equal_batches: bool | None = None,
     ) -> None:
         super().__init__()
         if img_size < 1:
@@ -190,11 +114,13 @@ class ImageDataModule(L.LightningDataModule):
         self.crop_pct = crop_pct
         self.skip_bad_images = skip_bad_images
         self.seed = seed
+        self.eval_equal_batches = eval_equal_batches
         self._num_classes_arg = num_classes
         self._class_names: list[str] | None = None
         self._class_where = ""  # where the names came from, for error messages
         self.train_dataset: Any = None
         self.val_dataset: Any = None
+        self.test_dataset: Any = None  # a separate test split, where the source has one
         # num_classes is logged by the model (linked from here), where it is always resolved.
         self.save_hyperparameters(ignore=["num_classes"])
 
@@ -205,7 +131,8 @@ class ImageDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def _setup_datasets(self, stage: str | None) -> None:
-        """Build `self.train_dataset` / `self.val_dataset` (None when there is no validation data)."""
+        """Build `self.train_dataset` / `self.val_dataset` (None when there is no validation data), and
+        `self.test_dataset` where the source has a test split kept apart from model selection."""
         raise NotImplementedError
 
     # ---- classes and configuration ----------------------------------------------------------------
@@ -321,27 +248,72 @@ class ImageDataModule(L.LightningDataModule):
         """Validation/test sampler under DDP: rank r reads images r, r+W, r+2W, ... and none is repeated.
 
         Lightning's default DistributedSampler pads with repeated images so every rank gets the same
-        count, which biases validation metrics. Unequal counts are safe for evaluation: no gradients
-        are synced, torchmetrics sums the per-rank states, and Lightning keeps a distributed sampler.
+        count, which biases validation metrics. Unequal counts are safe for evaluation under DDP: no
+        gradients are synced, torchmetrics sums the per-rank states, and Lightning keeps a distributed
+        sampler. Strategies whose forward is itself collective need `equal_eval_batches` instead.
         """
         if self.world_size < 2 or isinstance(dataset, torch.utils.data.IterableDataset):
             return None
         return UnrepeatedDistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=False)
 
+    def train_sampler(self, dataset: Dataset) -> Sampler | None:
+        """Under DDP, a DistributedSampler of our own, which Lightning keeps: its order depends on
+        (seed, epoch) alone, so a resumed rank fast-forwards to exactly where it was. (Lightning's
+        wrapper around a RandomSampler draws each epoch's order from a generator whose state a resume
+        does not reproduce at that moment.) None for one process: the loader shuffles itself."""
+        if self.world_size < 2:
+            return None
+        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=True,
+                                  seed=self.seed)  # fmt: skip
+
+    @property
+    def equal_eval_batches(self) -> bool:
+        """Whether every rank must run the same number of evaluation batches: `eval_equal_batches`, or
+        when None, whether the strategy's forward is collective (FSDP, DeepSpeed, model parallel: each
+        forward all-gathers weights, so a rank with an extra batch would wait forever)."""
+        if self.world_size < 2:
+            return False
+        if self.eval_equal_batches is not None:
+            return self.eval_equal_batches
+        strategy = getattr(self._trainer(), "strategy", None)
+        return strategy is not None and not (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+        )
+
+    def eval_loader(self, dataset: Dataset, collate_fn: Callable | None = None, num_workers: int = 0) -> DataLoader:
+        """The validation/test loader of a map-style dataset: every image once over all ranks, with
+        `EqualBatchSampler` when `equal_eval_batches`, else `eval_sampler`."""
+        common: dict[str, Any] = {
+            "num_workers": num_workers, "pin_memory": self.pin_memory, "persistent_workers": num_workers > 0,
+            "worker_init_fn": WorkerInit(self.global_rank) if num_workers > 0 else None,
+        }
+        if not self.equal_eval_batches:
+            return DataLoader(
+                dataset, batch_size=self.per_device_batch_size, sampler=self.eval_sampler(dataset),
+                collate_fn=collate_fn, **common,
+            )  # fmt: skip
+        sampler = EqualBatchSampler(len(dataset), self.world_size, self.global_rank, self.per_device_batch_size)
+        # The sampler yields whole batches (index lists): no automatic batching, the dataset collates.
+        return DataLoader(BatchedDataset(dataset, collate_fn), batch_size=None, sampler=sampler, **common)
+
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         workers = self.resolved_num_workers
-        # Lightning checkpoints a StatefulDataLoader's position, so a mid-epoch resume continues exactly.
-        loader_cls = StatefulDataLoader if train else DataLoader
-        return loader_cls(
-            dataset,
+        if not train:
+            return self.eval_loader(dataset, num_workers=workers)
+        # Lightning checkpoints a StatefulDataLoader's position (and WorkerRandomState its workers'
+        # random streams), so a mid-epoch resume continues exactly.
+        sampler = self.train_sampler(dataset)
+        return StatefulDataLoader(
+            WorkerRandomState(dataset),
             batch_size=self.per_device_batch_size,
-            shuffle=train,
-            sampler=None if train else self.eval_sampler(dataset),
+            shuffle=sampler is None,
+            sampler=sampler,
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
-            collate_fn=self.train_collate() if train else None,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
+            collate_fn=self.train_collate(),
+            generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
         )
 
     def _stream_loader(self, dataset: Any, train: bool, batch_size: int) -> DataLoader:
@@ -355,6 +327,7 @@ class ImageDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
             collate_fn=self.train_collate() if train else None,
+            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
             epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
         )
 
@@ -370,45 +343,7 @@ class ImageDataModule(L.LightningDataModule):
         return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
 
     def test_dataloader(self) -> DataLoader | list:
-        return self.val_dataloader()
-
-
-class ImageFileDataset(Dataset):
-    """(path, label) pairs -> (tensor, label); decoding errors name the file.
-
-    With `skip_bad` a bad file is logged once and marked in a shared-memory map (so no worker decodes
-    it again, and `bad_image_count` counts distinct files), and its slot is filled by the next good
-    file in index order: the dataset length, and so every rank's batch count, must not change.
-    """
-
-    def __init__(self, samples: Sequence[tuple[str, int]], transform: Any = None, skip_bad: bool = False) -> None:
-        self.samples = list(samples)
-        self.targets = [t for _, t in self.samples]
-        self.transform = transform
-        self.skip_bad = skip_bad
-        self.bad = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
-
-    @property
-    def bad_image_count(self) -> int:
-        return int(self.bad.sum())
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        n = len(self.samples)
-        for step in range(n):
-            i = (index + step) % n
-            if self.bad[i]:
-                continue
-            path, target = self.samples[i]
-            try:
-                img = load_rgb(path)
-            except BadImageError as exc:
-                if not self.skip_bad:
-                    raise
-                self.bad[i] = 1
-                log.warning("skipping bad image %s (%s)", path, exc.__cause__ or exc)
-                continue
-            return (self.transform(img) if self.transform is not None else img), target
-        raise BadImageError(f"no image in this dataset can be decoded (e.g. {self.samples[index][0]})")
+        """The test split where the source has one (`test_dataset`), else the validation data."""
+        if self.test_dataset is None:
+            return self.val_dataloader()
+        return self._loader(self.test_dataset, train=False)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+from torch.utils.data import Subset
 from torchvision.datasets import CIFAR10, CIFAR100
 
 from vitlab.data.base import ImageDataModule
@@ -20,7 +23,13 @@ class CIFARDataModule(ImageDataModule):
 
     Downloads only in `prepare_data` and only with `download=True`. Defaults suit 32px images:
     img_size=32, pad-and-crop training crops, and crop_pct=1.0 so evaluation is a plain resize
-    (no centre crop to lose the border of an already tiny image). Validation = the test split.
+    (no centre crop to lose the border of an already tiny image).
+
+    Model selection never sees the test split: validation (and so `best-*.ckpt`) uses `val_fraction`
+    of each class of the train split, held out by a fixed draw from `seed`, and `vitlab test` scores
+    the test split. `validate_on_test=True` validates on the test split instead (with the whole train
+    split for training), as papers that report the best test epoch do; its best checkpoint is then
+    chosen on the test set.
     """
 
     def __init__(
@@ -31,14 +40,23 @@ class CIFARDataModule(ImageDataModule):
         img_size: int = 32,
         train_crop: TrainCrop = "pad",
         crop_pct: float = 1.0,
+        val_fraction: float = 0.1,
+        validate_on_test: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(img_size=img_size, train_crop=train_crop, crop_pct=crop_pct, **kwargs)
         if variant not in _VARIANTS:
             raise ValueError(f"unknown CIFAR variant {variant!r}; choose 'cifar10' or 'cifar100'")
+        if not 0.0 < val_fraction < 1.0 and not validate_on_test:
+            raise ValueError(
+                f"val_fraction must be in (0, 1), got {val_fraction}; to validate on the test split instead "
+                "set validate_on_test=true"
+            )
         self.root = Path(root).expanduser()
         self.variant = variant
         self.download = download
+        self.val_fraction = val_fraction
+        self.validate_on_test = validate_on_test
 
     @property
     def folder(self) -> Path:
@@ -77,7 +95,28 @@ class CIFARDataModule(ImageDataModule):
             return
         cls = _VARIANTS[self.variant]
         try:
-            self.train_dataset = cls(str(self.root), train=True, transform=self.train_transform(), download=False)
-            self.val_dataset = cls(str(self.root), train=False, transform=self.eval_transform(), download=False)
+            train = cls(str(self.root), train=True, transform=self.train_transform(), download=False)
+            self.test_dataset = cls(str(self.root), train=False, transform=self.eval_transform(), download=False)
         except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
             raise self._missing(f"{self.folder} is missing or incomplete ({exc})") from exc
+        if self.validate_on_test:
+            self.train_dataset, self.val_dataset = train, self.test_dataset
+            return
+        # The held-out images are read with the eval transform, so they need their own dataset object.
+        held_out = cls(str(self.root), train=True, transform=self.eval_transform(), download=False)
+        train_idx, val_idx = held_out_split(train.targets, self.val_fraction, self.seed)
+        self.train_dataset, self.val_dataset = Subset(train, train_idx), Subset(held_out, val_idx)
+
+
+def held_out_split(targets: Sequence[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) indices: `round(fraction * n_c)` images of each class c (at least one) go to val,
+    picked by a permutation seeded by `seed`, so every run and every rank holds out the same images."""
+    labels = torch.as_tensor(list(targets))
+    g = torch.Generator().manual_seed(seed)
+    val: list[int] = []
+    for c in labels.unique().tolist():
+        idx = (labels == c).nonzero().flatten()
+        n_val = max(1, round(fraction * len(idx)))
+        val += idx[torch.randperm(len(idx), generator=g)[:n_val]].tolist()
+    held = set(val)
+    return [i for i in range(len(labels)) if i not in held], sorted(val)

@@ -9,7 +9,9 @@ from typing import Any
 
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
-from vitlab.data.base import ImageDataModule, ImageFileDataset
+from vitlab.data.base import ImageDataModule
+from vitlab.data.image_files import ImageFileDataset
+from vitlab.data.unlabelled import NO_LABELS_FIX, LabelsOption, unlabelled_samples
 
 TRAIN_DIRS = ("train", "imagenet21k_train")
 VAL_DIRS = ("val", "validation", "imagenet21k_val")
@@ -59,17 +61,21 @@ def held_out_split(
     return train, val
 
 
-class ImageFolderDataModule(ImageDataModule):
+class ImageFolderDataModule(LabelsOption, ImageDataModule):
     """Images in one folder per class; class index = position of the folder name in sorted order.
 
     Layouts (checked in this order): `root/train` or `root/imagenet21k_train` for training, with
     `root/val`, `root/validation` or `root/imagenet21k_val` for validation; else `root` itself holds
     the class folders. Without a validation folder, `val_fraction` of each class is held out by
     file-name hash (`val_fraction=0` disables validation). Images of any mode load as RGB.
+    `labels=False`: images at any depth of the train (and val) folder, class folders or not, label -1
+    (self-supervised pretraining; see vitlab.data.unlabelled).
     """
 
-    def __init__(self, root: str, val_fraction: float = 0.02, **kwargs: Any) -> None:
+    def __init__(self, root: str, val_fraction: float = 0.02, labels: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.labels = labels
+        self._check_labels_option()
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.root = Path(root).expanduser()
@@ -92,9 +98,9 @@ class ImageFolderDataModule(ImageDataModule):
                     f"{root} has a validation folder {val.name}/ but no train folder; {_layouts(root)}"
                 )
             train = root
-        if not _class_dirs(train):
-            raise FileNotFoundError(f"no class folders in {train}; {_layouts(root)}")
-        if val is not None:
+        if self.labels and not _class_dirs(train):
+            raise FileNotFoundError(f"no class folders in {train}; {_layouts(root)}; {NO_LABELS_FIX}")
+        if self.labels and val is not None:
             tr, va = set(_class_dirs(train)), set(_class_dirs(val))
             if tr != va:
                 missing, extra = sorted(tr - va), sorted(va - tr)
@@ -126,10 +132,9 @@ class ImageFolderDataModule(ImageDataModule):
         if self.train_dataset is not None:
             return
         train_dir, val_dir = self._layout()
-        classes = self.class_names
-        samples = self._scan(train_dir, classes)
+        samples = self._scan(train_dir, self.class_names) if self.labels else unlabelled_samples(train_dir)
         if val_dir is not None:
-            val_samples = self._scan(val_dir, classes)
+            val_samples = self._scan(val_dir, self.class_names) if self.labels else unlabelled_samples(val_dir)
         elif self.val_fraction > 0:
             samples, val_samples = held_out_split(samples, self.val_fraction, train_dir)
         else:

@@ -1,8 +1,10 @@
 """Any Hugging Face `datasets` dataset with an image column and a label column.
 
 Local (`imagefolder` with data_dir, `parquet` / `arrow` with data_files, a saved dataset's builder)
-or from the hub when online. Map-style datasets get Lightning's DistributedSampler under DDP;
-streaming (iterable) ones are split per rank with `datasets.distributed.split_dataset_by_node`.
+or from the hub when online. Map-style datasets get Lightning's DistributedSampler under DDP.
+Streaming (iterable) ones are split over ranks by `HFIterableImageDataset` so that every rank yields
+the same number of samples (and so batches): a rank whose epoch ran out first would otherwise leave
+the others waiting forever in their next all-reduce.
 `datasets` is imported lazily: it is slow to import and only this module needs it.
 """
 
@@ -15,7 +17,8 @@ from typing import Any
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from vitlab.data.base import BadImageError, ImageDataModule, load_rgb
+from vitlab.data.base import ImageDataModule
+from vitlab.data.decode import BadImageError, load_rgb
 from vitlab.data.transforms import pil_to_rgb
 
 log = logging.getLogger("vitlab.data")
@@ -59,20 +62,44 @@ class HFImageDataset(Dataset):
 
 
 class HFIterableImageDataset(IterableDataset):
-    """Streaming adapter; the wrapped HF IterableDataset splits itself over DataLoader workers."""
+    """Streaming adapter that gives each of `world_size` ranks the same number of samples.
 
-    def __init__(self, ds: Any, image_column: str, label_column: str, transform: Any, name: str) -> None:
+    Every rank reads the whole stream (inside DataLoader workers, HF hands each worker its own shards,
+    the same ones on every rank, since the shard order and shuffle depend only on seed and epoch) and
+    takes positions rank, rank + W, ... of it, but only from complete rounds of W: a rank yields a
+    sample once the stream shows that every rank gets one in that round. So every rank (and every
+    worker of it) yields the same count, with no count known ahead, and the last `len % W` samples of
+    each worker's stream (at most W - 1) are dropped each epoch. Images of other ranks are not decoded.
+    (`datasets.distributed.split_dataset_by_node` gives ranks whole shards or every W-th sample, and
+    its counts can differ by a batch or more.)
+    """
+
+    def __init__(
+        self, ds: Any, image_column: str, label_column: str, transform: Any, name: str, rank: int = 0,
+        world_size: int = 1,
+    ) -> None:  # fmt: skip
         super().__init__()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.ds = ds.select_columns([image_column, label_column])
         self.image_column, self.label_column = image_column, label_column
         self.transform, self.name = transform, name
+        self.rank, self.world_size = rank, world_size
 
     def set_epoch(self, epoch: int) -> None:
         self.ds.set_epoch(epoch)  # HF keeps it in shared memory for persistent workers
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
+        mine: tuple[int, Any] | None = None
         for i, row in enumerate(self.ds):
-            yield self.transform(to_pil(row[self.image_column], f"{self.name} item {i}")), int(row[self.label_column])
+            slot = i % self.world_size
+            if slot == self.rank:
+                mine = (i, row)
+            if slot == self.world_size - 1 and mine is not None:  # round complete: every rank has one
+                j, row_j = mine
+                mine = None
+                img = to_pil(row_j[self.image_column], f"{self.name} item {j}")
+                yield self.transform(img), int(row_j[self.label_column])
 
 
 class HFDataModule(ImageDataModule):
@@ -82,6 +109,7 @@ class HFDataModule(ImageDataModule):
     from the label column's ClassLabel feature (else `num_classes`, else the largest label + 1).
     When `val_split` is None or absent, `val_fraction` of the train split is held out (stratified by
     label when possible, seeded by `seed`). Streaming needs a real `val_split` (or `val_fraction=0`).
+    `test_split`, where the dataset has it, is what `vitlab test` scores (else the validation data).
     """
 
     def __init__(
@@ -92,6 +120,7 @@ class HFDataModule(ImageDataModule):
         label_column: str = "label",
         train_split: str = "train",
         val_split: str | None = "validation",
+        test_split: str | None = "test",
         data_dir: str | None = None,
         data_files: str | list[str] | dict[str, str | list[str]] | None = None,
         cache_dir: str | None = None,
@@ -105,7 +134,7 @@ class HFDataModule(ImageDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.path, self.name = path, name
         self.image_column, self.label_column = image_column, label_column
-        self.train_split, self.val_split = train_split, val_split
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
         self.data_dir, self.data_files, self.cache_dir = data_dir, data_files, cache_dir
         self.streaming, self.val_fraction, self.shuffle_buffer = streaming, val_fraction, shuffle_buffer
         self._dd: Any = None
@@ -182,19 +211,24 @@ class HFDataModule(ImageDataModule):
         labels = self._load()[self.train_split][self.label_column]
         return [str(i) for i in range(int(max(labels)) + 1)]
 
-    def _wrap(self, ds: Any, train: bool) -> Any:
+    def _wrap(self, ds: Any, train: bool, split: str | None = None) -> Any:
         transform = self.train_transform() if train else self.eval_transform()
-        split = self.train_split if train else (self.val_split or "held-out")
+        split = split or (self.train_split if train else (self.val_split or "held-out"))
         label = f"{self._describe()}[{split}]"
         if not self.streaming:
             return HFImageDataset(ds, self.image_column, self.label_column, transform, label)
-        from datasets.distributed import split_dataset_by_node
+        import datasets
 
-        if self.world_size > 1:
-            ds = split_dataset_by_node(ds, rank=self.global_rank, world_size=self.world_size)
+        feature = (ds.features or {}).get(self.image_column)
+        if isinstance(feature, datasets.Image) and feature.decode:
+            # Each rank reads every row but decodes only its own: bytes here, decoded by to_pil.
+            ds = ds.cast_column(self.image_column, datasets.Image(decode=False))
         if train:
             ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
-        return HFIterableImageDataset(ds, self.image_column, self.label_column, transform, label)
+        return HFIterableImageDataset(
+            ds, self.image_column, self.label_column, transform, label, rank=self.global_rank,
+            world_size=self.world_size,
+        )  # fmt: skip
 
     def _setup_datasets(self, stage: str | None) -> None:
         if self.train_dataset is not None:
@@ -202,6 +236,9 @@ class HFDataModule(ImageDataModule):
         train, val = self._raw_splits()
         self.train_dataset = self._wrap(train, train=True)
         self.val_dataset = None if val is None else self._wrap(val, train=False)
+        dd = self._load()
+        if self.test_split is not None and self.test_split in dd and self.test_split != self.val_split:
+            self.test_dataset = self._wrap(dd[self.test_split], train=False, split=self.test_split)
 
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
         if not isinstance(dataset, IterableDataset):

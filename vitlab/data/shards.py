@@ -39,16 +39,18 @@ import torch
 import webdataset as wds
 from braceexpand import braceexpand
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchvision.transforms import v2
 
-from vitlab.data.base import (
-    BadImageError,
-    ImageDataModule,
-    SharedCounter,
-    available_cpus,
-    load_rgb,
-    per_device_batch,
-)
+from vitlab.data.base import ImageDataModule, per_device_batch
+from vitlab.data.decode import BadImageError, load_rgb
 from vitlab.data.folder import name_hash
+from vitlab.data.loaders import available_cpus
+from vitlab.data.memory import BatchAugment, MemoryImages, batch_collate, decode_into_memory, normalise_batch
+from vitlab.data.public import ensure_public
+from vitlab.data.shared_counter import SharedCounter
+from vitlab.data.transforms import eval_transform
+from vitlab.data.unlabelled import NO_LABELS_FIX, UNLABELLED, LabelsOption
 
 log = logging.getLogger("vitlab.data")
 
@@ -120,7 +122,10 @@ def _raw_samples(url: str) -> Iterator[dict[str, Any]]:
             close()
 
 
-def sample_label(sample: dict[str, Any]) -> int:
+def sample_label(sample: dict[str, Any], labels: bool = True) -> int:
+    """The sample's class index; UNLABELLED (-1) for every sample when `labels` is False."""
+    if not labels:
+        return UNLABELLED
     for k in LABEL_KEYS:
         if k in sample:
             try:
@@ -128,7 +133,10 @@ def sample_label(sample: dict[str, Any]) -> int:
             except ValueError:
                 where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
                 raise ValueError(f"{where}: bad label {sample[k]!r}") from None
-    raise KeyError(f"sample {sample.get('__key__')} in {sample.get('__url__')} has no .cls label (has {_exts(sample)})")
+    raise KeyError(
+        f"sample {sample.get('__key__')} in {sample.get('__url__')} has no .cls label (has {_exts(sample)}); "
+        + NO_LABELS_FIX
+    )
 
 
 def sample_image(sample: dict[str, Any]) -> bytes:
@@ -157,8 +165,8 @@ class ShardCounts:
 _INDEX_CACHE: dict[tuple, ShardCounts] = {}
 
 
-def _count_shard(url: str, val_fraction: float) -> ShardCounts:
-    cache_key: tuple = (url, val_fraction)
+def _count_shard(url: str, val_fraction: float, labels: bool = True) -> ShardCounts:
+    cache_key: tuple = (url, val_fraction, labels)
     if not _is_remote(url):
         st = os.stat(url)
         cache_key += (st.st_size, st.st_mtime_ns)
@@ -168,7 +176,7 @@ def _count_shard(url: str, val_fraction: float) -> ShardCounts:
     max_label = -1
     for sample in _raw_samples(url):
         sample_image(sample)  # every sample must have an image; fail at indexing, not mid-epoch
-        max_label = max(max_label, sample_label(sample))
+        max_label = max(max_label, sample_label(sample, labels))
         total += 1
         val += val_fraction > 0 and key_in_val(sample["__key__"], val_fraction)
     counts = ShardCounts(total, total - val, val, max_label)
@@ -176,11 +184,11 @@ def _count_shard(url: str, val_fraction: float) -> ShardCounts:
     return counts
 
 
-def index_shards(urls: list[str], val_fraction: float = 0.0) -> list[ShardCounts]:
+def index_shards(urls: list[str], val_fraction: float = 0.0, labels: bool = True) -> list[ShardCounts]:
     """Per-shard sample counts (and held-out split counts), read in a few threads (zlib frees the GIL)."""
     threads = max(1, min(len(urls), available_cpus(), 8))
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda u: _count_shard(u, val_fraction), urls))
+        return list(pool.map(lambda u: _count_shard(u, val_fraction, labels), urls))
 
 
 def assumed_counts(num_samples: int, num_shards: int) -> list[int]:
@@ -218,13 +226,14 @@ def split_range(
 class ShardDecoder:
     """Raw sample -> (transformed image, label); picklable for DataLoader workers."""
 
-    def __init__(self, transform: Any) -> None:
+    def __init__(self, transform: Any, labels: bool = True) -> None:
         self.transform = transform
+        self.labels = labels
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
         name = f"{sample.get('__url__')}:{sample.get('__key__')}"
         img = load_rgb(sample_image(sample), name)
-        return (self.transform(img) if self.transform is not None else img), sample_label(sample)
+        return (self.transform(img) if self.transform is not None else img), sample_label(sample, self.labels)
 
 
 class ShardStream(IterableDataset):
@@ -251,6 +260,7 @@ class ShardStream(IterableDataset):
         num_classes: int | None = None,
         skip_bad_images: bool = False,
         counter: SharedCounter | None = None,
+        labels: bool = True,
     ) -> None:
         super().__init__()
         if len(urls) != len(counts):
@@ -265,7 +275,7 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
         self.decoder, self.num_classes = decoder, num_classes
-        self.skip_bad_images = skip_bad_images
+        self.skip_bad_images, self.labels = skip_bad_images, labels
         self.counter = counter or SharedCounter()  # skips, summed over this rank's workers
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -329,8 +339,8 @@ class ShardStream(IterableDataset):
             )
 
     def _label_checked(self, sample: dict[str, Any]) -> int:
-        label = sample_label(sample)
-        if self.num_classes is not None and not 0 <= label < self.num_classes:
+        label = sample_label(sample, self.labels)
+        if self.labels and self.num_classes is not None and not 0 <= label < self.num_classes:
             where = f"sample {sample['__key__']} in {sample['__url__']}"
             raise ValueError(f"{where}: label {label} outside [0, {self.num_classes})")
         return label
@@ -383,7 +393,7 @@ def read_classes_txt(path: Path) -> list[str] | None:
     return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
-class ShardDataModule(ImageDataModule):
+class ShardDataModule(LabelsOption, ImageDataModule):
     """Image classification from webdataset shards: `KEY.jpg|jpeg|png|webp` + `KEY.cls` per sample.
 
     `train_shards` / `val_shards`: a folder, glob or brace pattern (several joined with '::').
@@ -391,7 +401,10 @@ class ShardDataModule(ImageDataModule):
     Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out.
     `num_samples` (train samples in all shards) skips counting the train shards; see the module doc.
     Rank and world size come from the trainer / torch.distributed; `dataset()` also takes them
-    explicitly.
+    explicitly. `source` names the public dataset (vitlab.data.public) to fetch into the parent of
+    `train_shards` when that folder is missing. `in_memory=True` decodes both splits once into uint8
+    tensors and augments batches on the device (vitlab.data.memory): the fast path for datasets that
+    fit in RAM. `labels=False` reads images only (shards without `.cls` work), every label -1.
     """
 
     def __init__(
@@ -401,15 +414,27 @@ class ShardDataModule(ImageDataModule):
         val_fraction: float = 0.02,
         shuffle_buffer: int = 1000,
         num_samples: int | None = None,
+        in_memory: bool = False,
+        source: Literal["tinyimagenet", "imagenette"] | None = None,
+        labels: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.labels = labels  # False: `.cls` not read (nor needed), every label -1 (vitlab.data.unlabelled)
+        self._check_labels_option()
+        if in_memory and self.auto_augment is not None:
+            raise ValueError(
+                f"auto_augment={self.auto_augment!r} runs per image on PIL images, which the in-memory path skips; "
+                "set auto_augment: null (crops, flips and MixUp/CutMix still apply) or in_memory: false"
+            )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be >= 1 or None, got {num_samples}")
         self.train_shards, self.val_shards = train_shards, val_shards
         self.val_fraction, self.shuffle_buffer, self.num_samples = val_fraction, shuffle_buffer, num_samples
+        self.in_memory, self.source = in_memory, source
+        self._augment: BatchAugment | None = None
         self._train_urls: list[str] | None = None
         self._index: dict[str, tuple[list[str], list[int], Part, float]] | None = None
 
@@ -419,6 +444,8 @@ class ShardDataModule(ImageDataModule):
 
     def _urls(self) -> list[str]:
         if self._train_urls is None:
+            if self.source is not None and not _is_remote(self.train_shards) and not Path(self.train_shards).exists():
+                ensure_public(self.source, Path(self.train_shards).parent)
             self._train_urls = expand_shards(self.train_shards)
         return self._train_urls
 
@@ -446,7 +473,7 @@ class ShardDataModule(ImageDataModule):
         urls, names = self._urls(), self.class_names
         index: dict[str, tuple[list[str], list[int], Part, float]] = {}
         if self.held_out:
-            counts = index_shards(urls, self.val_fraction)
+            counts = index_shards(urls, self.val_fraction, self.labels)
             index["train"] = (urls, [c.train for c in counts], "train", self.val_fraction)
             index["val"] = (urls, [c.val for c in counts], "val", self.val_fraction)
             max_label = max(c.max_label for c in counts)
@@ -455,12 +482,12 @@ class ShardDataModule(ImageDataModule):
                 index["train"] = (urls, assumed_counts(self.num_samples, len(urls)), "all", 0.0)
                 max_label = -1  # checked per sample while reading
             else:
-                counts = index_shards(urls)
+                counts = index_shards(urls, labels=self.labels)
                 index["train"] = (urls, [c.total for c in counts], "all", 0.0)
                 max_label = max(c.max_label for c in counts)
             if self.val_shards is not None:
                 vurls = expand_shards(self.val_shards)
-                vcounts = index_shards(vurls)
+                vcounts = index_shards(vurls, labels=self.labels)
                 index["val"] = (vurls, [c.total for c in vcounts], "all", 0.0)
                 max_label = max(max_label, max(c.max_label for c in vcounts))
         if max_label >= len(names):
@@ -494,15 +521,75 @@ class ShardDataModule(ImageDataModule):
             rank=self.global_rank if rank is None else rank, world_size=ws,
             batch_size=batch_size or per_device_batch(self.batch_size, ws),
             shuffle=train, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
-            decoder=ShardDecoder(self.train_transform() if train else self.eval_transform()) if decode else None,
-            num_classes=self.num_classes, skip_bad_images=self.skip_bad_images,
+            decoder=ShardDecoder(self.train_transform() if train else self.eval_transform(), self.labels)
+            if decode else None,
+            num_classes=self.num_classes, skip_bad_images=self.skip_bad_images, labels=self.labels,
         )  # fmt: skip
 
     def _setup_datasets(self, stage: str | None) -> None:
         if self.train_dataset is not None:
             return
+        if self.in_memory:
+            self.train_dataset, self.val_dataset = self.memory_dataset("train"), self.memory_dataset("val")
+            return
         self.train_dataset = self.dataset("train")
         self.val_dataset = self.dataset("val")
 
+    def memory_dataset(self, split: Literal["train", "val"]) -> MemoryImages | None:
+        """All of `split` decoded into a MemoryImages (every rank holds all of it; the sampler splits).
+
+        Train images are stored as they are (augmented per batch later); val images go through the
+        evaluation resize and crop now. On a CUDA trainer the tensors move to the device.
+        """
+        index = self._build_index()
+        if split not in index:
+            return None
+        urls, counts, part, vf = index[split]
+        # eval_transform's ToRGB, Resize, CenterCrop: the streaming path's preprocessing up to the float conversion
+        preprocess = None if split == "train" else eval_transform(self._preprocessing()).transforms[:3]
+        stream = ShardStream(
+            urls, counts, part=part, val_fraction=vf, decoder=_KeyedDecoder(self.labels),
+            num_classes=self.num_classes, skip_bad_images=self.skip_bad_images, labels=self.labels,
+        )  # fmt: skip
+        data = decode_into_memory(stream, sum(counts), transform=v2.Compose(preprocess) if preprocess else None)
+        trainer = self._trainer()
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        return data.to(device) if device is not None and device.type == "cuda" else data
+
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
+        if isinstance(dataset, MemoryImages):
+            on_host = dataset.images.device.type == "cpu"
+            loader_cls = StatefulDataLoader if train else DataLoader
+            return loader_cls(
+                dataset, batch_size=self.per_device_batch_size, shuffle=train,
+                sampler=None if train else self.eval_sampler(dataset), num_workers=0,
+                pin_memory=self.pin_memory and on_host, collate_fn=batch_collate,
+                generator=torch.Generator().manual_seed(self.seed) if train else None,
+            )  # fmt: skip
         return self._stream_loader(dataset, train, dataset.batch_size)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """In-memory batches arrive as uint8: augment (training) or normalise them here, on the device."""
+        if not self.in_memory:
+            return batch
+        images, labels = batch
+        trainer = self._trainer()
+        if trainer is not None and trainer.training:
+            if self._augment is None:
+                collate = self.train_collate()
+                self._augment = BatchAugment(
+                    self.img_size, self.train_crop, self.scale_min, self.hflip, self.mean, self.std, collate.mix
+                )  # fmt: skip
+            return self._augment(images, labels)
+        return normalise_batch(images, self.mean, self.std), labels
+
+
+class _KeyedDecoder:
+    """Raw shard sample -> (key, RGB image, label), for decoding into memory."""
+
+    def __init__(self, labels: bool = True) -> None:
+        self.labels = labels
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[str, Any, int]:
+        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        return sample["__key__"], load_rgb(sample_image(sample), name), sample_label(sample, self.labels)

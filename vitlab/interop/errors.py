@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from vitlab.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError, ValueError):
     """A file that is not a ViT checkpoint vitlab can load, or one that does not fit together.
 
     `format` names the layout that was detected (None when none was recognised), so a message can

@@ -1,6 +1,7 @@
-"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`) state dicts.
+"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`): read its state dicts,
+export a vitlab model as a `ViTForImageClassification` folder.
 
-Two layouts: the one transformers 4.x used and 5.x still writes to disk
+Two layouts are read: the one transformers 4.x used and 5.x still writes to disk
 (`encoder.layer.N.attention.attention.query`, `attention.output.dense`, `intermediate.dense`,
 `output.dense`) and the 5.x in-memory one (`layers.N.attention.q_proj/k_proj/v_proj/o_proj`,
 `mlp.fc1/fc2`); both with or without the `vit.` prefix of the task models.
@@ -8,13 +9,16 @@ Two layouts: the one transformers 4.x used and 5.x still writes to disk
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from vitlab.interop.base import Converted, Source
+from vitlab.interop.architecture import Converted, Source
+from vitlab.models.vit import VisionTransformer
 
 FORMAT = "hf"
 # ViTImageProcessor: mean/std 0.5, bilinear resize straight to the input size (no crop).
@@ -56,33 +60,33 @@ def looks_like(keys: list[str]) -> bool:
     return _PATCH in keys or f"vit.{_PATCH}" in keys
 
 
-def _sidecar_hints(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Hints (heads, eps, image size) and class names from a transformers `config.json`."""
-    hints: dict[str, Any] = {"norm_eps": 1e-12}  # ViTConfig.layer_norm_eps default
+def _sidecar_config(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model config (heads, eps, image size) and class names from a transformers `config.json`."""
+    config: dict[str, Any] = {"norm_eps": 1e-12}  # ViTConfig.layer_norm_eps default
     data: dict[str, Any] = {}
     if not sidecar or sidecar.get("model_type") != "vit":
-        return hints, data
+        return config, data
     if sidecar.get("hidden_act", "gelu") != "gelu":
         raise src.error(f"hidden_act={sidecar['hidden_act']!r}; vitlab's ViT uses exact GELU ('gelu')")
     if "num_attention_heads" in sidecar:
-        hints["num_heads"] = int(sidecar["num_attention_heads"])
+        config["num_heads"] = int(sidecar["num_attention_heads"])
     if "layer_norm_eps" in sidecar:
-        hints["norm_eps"] = float(sidecar["layer_norm_eps"])
+        config["norm_eps"] = float(sidecar["layer_norm_eps"])
     if "image_size" in sidecar:
         size = sidecar["image_size"]
-        hints["img_size"] = [int(size), int(size)] if isinstance(size, (int, float)) else [int(s) for s in size]
+        config["img_size"] = [int(size), int(size)] if isinstance(size, (int, float)) else [int(s) for s in size]
     labels = sidecar.get("id2label")
     if isinstance(labels, Mapping) and labels:
         names = [str(labels.get(str(i), labels.get(i, ""))) for i in range(len(labels))]  # type: ignore[call-overload]
         if names != [f"LABEL_{i}" for i in range(len(names))]:  # transformers' placeholders say nothing
             data["class_names"] = names
-    return hints, data
+    return config, data
 
 
 def convert(tensors: Mapping[str, torch.Tensor], path: str, sidecar: Mapping[str, Any] | None = None) -> Converted:
     src = Source(tensors, FORMAT, path)
-    hints, data = _sidecar_hints(sidecar, src)
-    conv = Converted(FORMAT, {}, path, hints=hints, data_config={**DATA_CONFIG, **data}, resample=dict(RESAMPLE))
+    config, data = _sidecar_config(sidecar, src)
+    conv = Converted(FORMAT, {}, path, config=config, data_config={**DATA_CONFIG, **data}, resample=dict(RESAMPLE))
     prefix = "vit." if f"vit.{_PATCH}" in tensors else ""
     qkv: dict[tuple[int, str], dict[int, str]] = {}
     for key in src.keys():
@@ -129,3 +133,88 @@ def _fuse_qkv(qkv: dict[tuple[int, str], dict[int, str]], src: Source, conv: Con
             shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(keys, ts))
             raise src.error(f"block {i}: query/key/value {param}s differ in shape: {shapes}")
         conv.put(f"blocks.{i}.attn.qkv.{param}", torch.cat(ts, dim=0), " + ".join(keys))
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+# PIL's resampling codes, which transformers' image processors store.
+_PIL_RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
+_BLOCK_OUT = {
+    "norm1": "layernorm_before", "attn.proj": "attention.output.dense", "norm2": "layernorm_after",
+    "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense",
+}  # fmt: skip
+_TOP_OUT = {v: k for k, v in _TOP.items()}
+
+
+def to_hf_state_dict(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """vitlab names -> `ViTForImageClassification` names in the layout transformers writes to disk."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        if name in _TOP_OUT:
+            out[f"vit.{_TOP_OUT[name]}"] = t
+        elif name.startswith("head."):
+            out[f"classifier.{name[len('head.') :]}"] = t
+        elif m := re.match(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$", name):
+            i, module, param = m.groups()
+            layer = f"vit.encoder.layer.{i}"
+            if module == "attn.qkv":  # one fused projection -> query, key, value
+                for part, chunk in zip(("query", "key", "value"), t.chunk(3, dim=0)):
+                    out[f"{layer}.attention.attention.{part}.{param}"] = chunk.contiguous()
+            else:
+                out[f"{layer}.{_BLOCK_OUT[module]}.{param}"] = t
+        else:  # check_expressible turns away every model with other parameters
+            raise ValueError(f"no transformers ViT name for vitlab parameter {name!r}")
+    return out
+
+
+def hf_config(model: VisionTransformer) -> dict[str, Any]:
+    """The `config.json` of a `ViTForImageClassification` equal to `model`."""
+    c = model.config
+    h, w = c["img_size"]
+    names = model.data_config.get("class_names") or [f"LABEL_{i}" for i in range(c["num_classes"])]
+    return {
+        "architectures": ["ViTForImageClassification"], "model_type": "vit",
+        "hidden_size": c["embed_dim"], "num_hidden_layers": c["depth"], "num_attention_heads": c["num_heads"],
+        "intermediate_size": int(c["embed_dim"] * c["mlp_ratio"]), "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "initializer_range": 0.02,
+        "layer_norm_eps": c["norm_eps"], "image_size": h if h == w else [h, w], "patch_size": c["patch_size"],
+        "num_channels": c["in_chans"], "qkv_bias": c["qkv_bias"], "encoder_stride": c["patch_size"],
+        "id2label": {str(i): str(n) for i, n in enumerate(names)},
+        "label2id": {str(n): i for i, n in enumerate(names)},
+    }  # fmt: skip
+
+
+def preprocessor_config(data_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A transformers image processor that prepares inputs as vitlab's `eval_transform` does: resize
+    (short side to img_size / crop_pct for a square input size), centre crop, rescale, normalise."""
+    h, w = data_config["img_size"]
+    crop_pct = float(data_config.get("crop_pct") or 1.0)
+    interpolation = str(data_config.get("interpolation") or "bicubic").lower()
+    if interpolation not in _PIL_RESAMPLE:
+        raise ValueError(f"interpolation {interpolation!r} has no transformers equivalent; use bilinear or bicubic")
+    common = {
+        "do_resize": True, "resample": _PIL_RESAMPLE[interpolation], "do_center_crop": True,
+        "crop_size": {"height": h, "width": w}, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": list(data_config["mean"]), "image_std": list(data_config["std"]),
+        "do_convert_rgb": True,
+    }  # fmt: skip
+    if h == w:  # CLIP's processor: shortest edge, then crop (timm's and vitlab's rule)
+        return {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": int(h / crop_pct)}, **common}
+    # DeiT's processor: resize to a fixed size, then crop (vitlab's rule for a non-square input size)
+    return {"image_processor_type": "DeiTImageProcessor",
+            "size": {"height": int(h / crop_pct), "width": int(w / crop_pct)}, **common}  # fmt: skip
+
+
+def export_hf(model: VisionTransformer, directory: str | Path) -> Path:
+    """Write a folder `ViTForImageClassification.from_pretrained` and `AutoImageProcessor` load:
+    `config.json`, `model.safetensors`, `preprocessor_config.json`. Returns the folder."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(to_hf_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    processor = preprocessor_config(model.data_config)
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    return directory

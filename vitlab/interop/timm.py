@@ -1,4 +1,5 @@
-"""timm ViT state dicts (and vitlab weights without a config: the parameter names are the same).
+"""timm ViT state dicts (and vitlab weights without a config: the parameter names are the same):
+read them, and export a vitlab model as a timm hub folder.
 
 Handles the `model` / `state_dict` wrappers of timm's training checkpoints, DDP / torch.compile
 name prefixes, and the patch embedding of old timm checkpoints stored as a linear layer.
@@ -6,13 +7,16 @@ name prefixes, and the patch embedding of old timm checkpoints stored as a linea
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from vitlab.interop.base import TIMM_RESAMPLE, Converted, Source, strip_prefix
+from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, Source, strip_prefix
+from vitlab.models.vit import VisionTransformer
 
 FORMAT = "timm"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -21,6 +25,8 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 DATA_CONFIG: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bicubic", "crop_pct": 0.9, "class_names": None,
 }  # fmt: skip
+# timm's DeiT weights (those with a distillation token): ImageNet mean/std.
+DEIT_DATA: dict[str, Any] = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
 def looks_like(keys: list[str]) -> bool:
@@ -30,7 +36,8 @@ def looks_like(keys: list[str]) -> bool:
 
 
 def _sidecar_data(sidecar: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Hints and data config from a timm hub `config.json` (`pretrained_cfg`), when present."""
+    """Model config (input size, heads) and data config from a timm hub `config.json` (`pretrained_cfg`,
+    and `model_args` where the folder was written with the model's constructor arguments)."""
     if not sidecar or not isinstance(sidecar.get("pretrained_cfg"), Mapping):
         return {}, {}
     pc = sidecar["pretrained_cfg"]
@@ -38,28 +45,32 @@ def _sidecar_data(sidecar: Mapping[str, Any] | None) -> tuple[dict[str, Any], di
     data = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in data.items()}
     if isinstance(sidecar.get("label_names"), list):
         data["class_names"] = list(sidecar["label_names"])
-    hints: dict[str, Any] = {}
+    config: dict[str, Any] = {}
     size = pc.get("input_size")
     if isinstance(size, (list, tuple)) and len(size) == 3:
-        hints["img_size"] = [int(size[1]), int(size[2])]
-    return hints, data
+        config["img_size"] = [int(size[1]), int(size[2])]
+    model_args = sidecar.get("model_args")
+    if isinstance(model_args, Mapping) and isinstance(model_args.get("num_heads"), int):
+        config["num_heads"] = model_args["num_heads"]  # the shapes cannot tell it
+    return config, data
 
 
 def convert(
     tensors: Mapping[str, torch.Tensor],
     path: str,
-    user_config: Mapping[str, Any],
+    config: Mapping[str, Any],
     sidecar: Mapping[str, Any] | None = None,
     format: str = FORMAT,
 ) -> Converted:
     names = strip_prefix(tensors, *WRAPPER_PREFIXES)
     src = Source(tensors, format, path)
-    hints, data = _sidecar_data(sidecar) if format == FORMAT else ({}, {})
-    conv = Converted(format, {}, path, hints=hints, data_config={**DATA_CONFIG, **data}, resample=dict(TIMM_RESAMPLE))
+    stated, data = _sidecar_data(sidecar) if format == FORMAT else ({}, {})
+    defaults = {**DATA_CONFIG, **(DEIT_DATA if "dist_token" in names else {})}
+    conv = Converted(format, {}, path, config=stated, data_config={**defaults, **data}, resample=dict(TIMM_RESAMPLE))
     for new, old in names.items():
         t = src.take(old)
         if new == "patch_embed.proj.weight" and t.ndim == 2 and "patch_embed.norm.weight" not in names:
-            t = _linear_patch_to_conv(t, int(user_config.get("in_chans", 3)), src)
+            t = _linear_patch_to_conv(t, int(config.get("in_chans", 3)), src)
         conv.put(new, t, old)
     return conv
 
@@ -74,3 +85,52 @@ def _linear_patch_to_conv(w: torch.Tensor, in_chans: int, src: Source) -> torch.
             f"projection; pass config={{'in_chans': ...}}"
         )
     return w.reshape(dim, in_chans, patch, patch)
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+# A registered timm name per width, for readability; `model_args` in config.json set every size.
+_ARCHITECTURES = {192: "vit_tiny_patch16_224", 384: "vit_small_patch16_224", 768: "vit_base_patch16_224",
+                  1024: "vit_large_patch16_224", 1280: "vit_huge_patch14_224"}  # fmt: skip
+
+
+def timm_config(model: VisionTransformer) -> dict[str, Any]:
+    """A timm hub `config.json`: architecture, the `model_args` that rebuild this model, `pretrained_cfg`."""
+    c, d = model.config, model.data_config
+    h, w = c["img_size"]
+    model_args = {
+        "img_size": [h, w], "patch_size": c["patch_size"], "in_chans": c["in_chans"], "num_classes": c["num_classes"],
+        "embed_dim": c["embed_dim"], "depth": c["depth"], "num_heads": c["num_heads"], "mlp_ratio": c["mlp_ratio"],
+        "qkv_bias": c["qkv_bias"], "class_token": c["class_token"], "global_pool": c["pool"],
+    }  # fmt: skip
+    pretrained_cfg = {
+        "input_size": [c["in_chans"], h, w], "fixed_input_size": True, "mean": list(d["mean"]),
+        "std": list(d["std"]), "crop_pct": float(d.get("crop_pct") or 1.0), "crop_mode": "center",
+        "interpolation": str(d.get("interpolation") or "bicubic"), "num_classes": c["num_classes"],
+        "first_conv": "patch_embed.proj", "classifier": "head",
+    }  # fmt: skip
+    config: dict[str, Any] = {
+        "architecture": _ARCHITECTURES.get(c["embed_dim"], "vit_base_patch16_224"),
+        "num_classes": c["num_classes"], "num_features": c["embed_dim"], "global_pool": c["pool"],
+        "model_args": model_args, "pretrained_cfg": pretrained_cfg,
+    }  # fmt: skip
+    if d.get("class_names"):
+        config["label_names"] = [str(n) for n in d["class_names"]]
+    return config
+
+
+def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
+    """Write `model.safetensors` (timm's names, which are vitlab's) and a timm hub `config.json`.
+
+    Loads with `timm.create_model("local-dir:<folder>", pretrained=True)`, or with
+    `timm.create_model(architecture, pretrained=True, pretrained_cfg_overlay=dict(pretrained_cfg,
+    file=<folder>/model.safetensors), **model_args)` (the overlay's `num_classes` keeps the head).
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(timm_config(model), indent=2) + "\n")
+    return directory

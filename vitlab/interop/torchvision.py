@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vitlab.interop.base import Converted, Source
+from vitlab.interop.architecture import Converted, Source
 
 FORMAT = "torchvision"
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -61,7 +61,7 @@ def looks_like(keys: list[str]) -> bool:
 
 def convert(tensors: Mapping[str, torch.Tensor], path: str) -> Converted:
     src = Source(tensors, FORMAT, path)
-    conv = Converted(FORMAT, {}, path, hints={"norm_eps": 1e-6}, resample=dict(RESAMPLE))
+    conv = Converted(FORMAT, {}, path, config={"norm_eps": 1e-6}, resample=dict(RESAMPLE))
     for key in src.keys():
         if key in _TOP:
             conv.put(_TOP[key], src.take(key), key)

@@ -2,9 +2,10 @@
 
 Module and parameter names follow timm (`patch_embed`, `cls_token`, `pos_embed`, `blocks`, `norm`,
 `head`) so state dicts and habits carry over. Besides the paper's model it carries the small-data
-options vitlab's CPU recipes use, each a flag: a convolutional tokenizer (the paper's hybrid,
-CCT arXiv 2104.05704), shifted patch tokenization and locality self-attention (arXiv 2112.13492),
-and sequence pooling (CCT).
+options vitlab's CPU recipes use, each a flag: the tokenizers of `tokenizers.py` (the paper's
+patches, its ResNet hybrid, a convolutional tokenizer as CCT arXiv 2104.05704, shifted patches),
+locality self-attention (arXiv 2112.13492), sequence pooling (CCT) and DeiT's distillation token
+(arXiv 2012.12877).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
+from torchvision.ops import StochasticDepth
 
 from vitlab.models.resize import resample_pos_embed, to_2tuple
+from vitlab.models.tokenizers import make_tokenizer
 
 Pool = Literal["token", "avg", "seq"]
 PosEmbed = Literal["learn", "sincos"]
-Stem = Literal["patch", "conv", "spt"]
+Stem = Literal["patch", "conv", "spt", "resnet"]
 
 IMAGENET_INCEPTION_MEAN = (0.5, 0.5, 0.5)
 IMAGENET_INCEPTION_STD = (0.5, 0.5, 0.5)
@@ -38,100 +41,6 @@ def sincos_pos_embed_2d(grid: tuple[int, int], dim: int, temperature: float = 10
     y = y.flatten()[:, None] * omega[None, :]
     x = x.flatten()[:, None] * omega[None, :]
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1)
-
-
-class PatchEmbed(nn.Module):
-    """Image -> tokens. `patch_size` is the tokenizer's total stride for every stem.
-
-    - `patch`: the paper's strided conv (a linear map of flattened patches).
-    - `conv`: convolutional tokenizer, log2(patch_size) stages of conv3x3-ReLU-maxpool (CCT).
-    - `spt`: shifted patch tokenization, the image and its four half-patch diagonal shifts
-      concatenated, then patches flattened, LayerNorm and a linear map (arXiv 2112.13492).
-    """
-
-    def __init__(
-        self,
-        img_size: tuple[int, int],
-        patch_size: int,
-        in_chans: int,
-        embed_dim: int,
-        stem: Stem = "patch",
-        stem_channels: int = 64,
-    ) -> None:
-        super().__init__()
-        self.patch_size = patch_size
-        self.in_chans = in_chans
-        self.stem = stem
-        self.set_grid(img_size)
-        if stem == "patch":
-            self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        elif stem == "conv":
-            stages = int(math.log2(patch_size))
-            if 2**stages != patch_size or stages < 1:
-                raise ValueError(f"stem='conv' needs a power-of-two patch_size >= 2 (got {patch_size})")
-            chans = [in_chans] + [stem_channels] * (stages - 1) + [embed_dim]
-            self.convs = nn.Sequential(
-                *[
-                    nn.Sequential(
-                        nn.Conv2d(chans[i], chans[i + 1], 3, padding=1, bias=False),
-                        nn.ReLU(inplace=True),
-                        nn.MaxPool2d(3, stride=2, padding=1),
-                    )
-                    for i in range(stages)
-                ]
-            )
-        elif stem == "spt":
-            patch_dim = 5 * in_chans * patch_size * patch_size
-            self.norm = nn.LayerNorm(patch_dim)
-            self.proj = nn.Linear(patch_dim, embed_dim)
-        else:
-            raise ValueError(f"unknown stem {stem!r}; choose 'patch', 'conv' or 'spt'")
-
-    def set_grid(self, img_size: tuple[int, int]) -> None:
-        h, w = img_size
-        p = self.patch_size
-        if h % p or w % p:
-            raise ValueError(
-                f"img_size {h}x{w} is not a multiple of patch_size {p}; "
-                f"use e.g. {max(p, h // p * p)}x{max(p, w // p * p)} or {-(-h // p) * p}x{-(-w // p) * p}"
-            )
-        self.img_size = (h, w)
-        self.grid_size = (h // p, w // p)
-
-    def check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4:
-            raise ValueError(f"expected a batch of images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
-        _, c, h, w = x.shape
-        if c != self.in_chans:
-            raise ValueError(
-                f"image has {c} channels but the model expects in_chans={self.in_chans}; "
-                f"convert the images (e.g. to RGB) or build the model with in_chans={c}"
-            )
-        p = self.patch_size
-        if h % p or w % p:
-            raise ValueError(
-                f"image size {h}x{w} is not a multiple of the patch size {p}; "
-                f"resize or crop to a multiple of {p}, e.g. {max(p, h // p * p)}x{max(p, w // p * p)}"
-            )
-        if (h, w) != self.img_size:
-            raise ValueError(
-                f"image size {h}x{w} differs from the model's img_size {self.img_size[0]}x{self.img_size[1]}; "
-                f"resize the images, or call model.set_image_size(({h}, {w})) to resample the position embeddings"
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        if self.stem == "patch":
-            return self.proj(x).flatten(2).transpose(1, 2)
-        if self.stem == "conv":
-            return self.convs(x).flatten(2).transpose(1, 2)
-        s, (h, w) = self.patch_size // 2, x.shape[-2:]
-        padded = F.pad(x, (s, s, s, s))
-        diagonals = ((-s, -s), (-s, s), (s, -s), (s, s))
-        shifts = [padded[..., s + dy : s + dy + h, s + dx : s + dx + w] for dy, dx in diagonals]
-        x = torch.cat([x, *shifts], dim=1)
-        x = rearrange(x, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=self.patch_size, p2=self.patch_size)
-        return self.proj(self.norm(x))
 
 
 class Attention(nn.Module):
@@ -201,23 +110,6 @@ class Mlp(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
-class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample."""
-
-    def __init__(self, p: float = 0.0) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
-        return x * keep / (1 - self.p)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
 
@@ -236,10 +128,10 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, lsa)
-        self.drop_path1 = DropPath(drop_path)
+        self.drop_path1 = StochasticDepth(drop_path, mode="row")
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
-        self.drop_path2 = DropPath(drop_path)
+        self.drop_path2 = StochasticDepth(drop_path, mode="row")
 
     def forward(self, x: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
         """`num_queries=n` returns only the first n tokens' outputs, computed from all tokens."""
@@ -256,7 +148,8 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """ViT: tokenizer -> [class token] + position embedding -> pre-norm blocks -> norm -> pool -> head.
+    """ViT: tokenizer -> [class token] [distillation token] + position embedding -> pre-norm blocks
+    -> norm -> pool -> head (a distilled model: a head on each of its two prefix tokens).
 
     `config` holds the constructor arguments as plain data (what `save_pretrained` writes);
     `data_config` the preprocessing the weights expect (what `eval_transform` builds).
@@ -283,7 +176,9 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         stem: Stem = "patch",
         stem_channels: int = 64,
+        stem_layers: list[int] | None = None,
         lsa: bool = False,
+        distilled: bool = False,
     ) -> None:
         super().__init__()
         img_size = to_2tuple(img_size)
@@ -293,6 +188,13 @@ class VisionTransformer(nn.Module):
             raise ValueError("pool='token' needs class_token=True; use pool='avg' or 'seq' without a class token")
         if pos_embed not in ("learn", "sincos"):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' or 'sincos'")
+        if distilled and (pool != "token" or representation_size):
+            raise ValueError(
+                "distilled=True reads the class and distillation tokens with a linear head each: "
+                "it needs pool='token' and no representation_size"
+            )
+        if stem == "resnet" and stem_layers is None:
+            stem_layers = [3, 4, 9]  # the paper's R50 with stage 4 folded into stage 3
         self.config: dict[str, Any] = dict(
             img_size=list(img_size), patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
@@ -300,6 +202,11 @@ class VisionTransformer(nn.Module):
             norm_eps=norm_eps, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
             stem=stem, stem_channels=stem_channels, lsa=lsa,
         )  # fmt: skip
+        # Written only when used, so configs (and checkpoints) of plain models read as before.
+        if stem_layers is not None:
+            self.config["stem_layers"] = list(stem_layers)
+        if distilled:
+            self.config["distilled"] = True
         self.data_config: dict[str, Any] = dict(
             img_size=list(img_size), mean=list(IMAGENET_INCEPTION_MEAN), std=list(IMAGENET_INCEPTION_STD),
             interpolation="bicubic", crop_pct=0.9, class_names=None,
@@ -307,11 +214,13 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.pool = pool
-        self.num_prefix_tokens = 1 if class_token else 0
+        self.distilled = distilled
+        self.num_prefix_tokens = int(class_token) + int(distilled)
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, stem, stem_channels)
+        self.patch_embed = make_tokenizer(stem, img_size, patch_size, in_chans, embed_dim, stem_channels, stem_layers)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
         num_pos = self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, embed_dim), requires_grad=pos_embed == "learn")
         self.pos_drop = nn.Dropout(drop_rate)
@@ -333,6 +242,7 @@ class VisionTransformer(nn.Module):
         else:
             self.pre_logits = nn.Identity()
         self.head = nn.Linear(representation_size or embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = self._new_head(num_classes) if distilled else None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -344,12 +254,11 @@ class VisionTransformer(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-        if self.patch_embed.stem == "patch":  # lecun-normal, as the paper's Flax code
-            w = self.patch_embed.proj.weight
-            nn.init.trunc_normal_(w, std=math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
-            nn.init.zeros_(self.patch_embed.proj.bias)
+        self.patch_embed.init_weights()
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         self._init_pos_embed()
 
     def _init_pos_embed(self) -> None:
@@ -365,8 +274,9 @@ class VisionTransformer(nn.Module):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)
         return self.pos_drop(x + self.pos_embed)
 
     def _run_blocks(self, x: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
@@ -391,20 +301,42 @@ class VisionTransformer(nn.Module):
         return (weights.transpose(1, 2) @ x).squeeze(1)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens from `forward_features` -> logits (or the pooled representation)."""
+        """Tokens from `forward_features` -> logits (or the pooled representation).
+
+        A distilled model predicts with the mean of its two heads' softmax outputs (DeiT); the
+        logits returned are the log of that mean, so softmax, argmax and cross-entropy read it as
+        they read any logits.
+        """
+        if self.distilled:
+            if pre_logits:
+                return (x[:, 0] + x[:, 1]) / 2
+            both = torch.stack([logits.log_softmax(-1) for logits in self.forward_heads(x)])
+            return torch.logsumexp(both, dim=0) - math.log(2.0)  # log of the mean, without underflow
         x = self.pre_logits(self.fc_norm(self.pool_tokens(x)))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> logits, equal to `forward_head(forward_features(x))`.
+    def forward_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens -> (class-head logits, distillation-head logits) of a distilled model: what
+        distillation trains, the first against the labels, the second against the teacher."""
+        if not self.distilled:
+            raise ValueError("forward_heads needs a distilled model (distilled=True): it has no distillation head")
+        return self.head(x[:, 0]), self.head_dist(x[:, 1])
 
-        With class-token pooling the head reads one token, so the last block computes its
-        attention query, MLP and the final norm for the class token alone: the same logits and
-        gradients for about 1/depth less work.
-        """
+    def _prefix_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The prefix tokens after the final norm; the last block computes only them (the heads of
+        a class-token model read nothing else): the same outputs and gradients for about 1/depth
+        less work."""
+        return self.norm(self._run_blocks(self.embed(x), num_queries=self.num_prefix_tokens))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> logits, equal to `forward_head(forward_features(x))`."""
         if self.pool != "token":
             return self.forward_head(self.forward_features(x))
-        return self.forward_head(self.norm(self._run_blocks(self.embed(x), num_queries=1)))
+        return self.forward_head(self._prefix_features(x))
+
+    def forward_distilled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images -> both heads' logits (class head, distillation head) of a distilled model."""
+        return self.forward_heads(self._prefix_features(x))
 
     @torch.no_grad()
     def forward_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,25 +370,32 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(new)
 
     def reset_head(self, num_classes: int) -> None:
-        """Swap in a zero-initialised linear head and drop the pre-logits layer (paper, section 3.2)."""
+        """Swap in a zero-initialised linear head (both heads of a distilled model) and drop the
+        pre-logits layer (paper, section 3.2)."""
         self.pre_logits = nn.Identity()
         self.config["representation_size"] = None
         self.config["num_classes"] = num_classes
         self.num_classes = num_classes
-        device = self.pos_embed.device
-        if num_classes > 0:
-            self.head = nn.Linear(self.embed_dim, num_classes, device=device)
-            nn.init.zeros_(self.head.weight)
-            nn.init.zeros_(self.head.bias)
-        else:
-            self.head = nn.Identity()
+        self.head = self._new_head(num_classes)
+        if self.distilled:
+            self.head_dist = self._new_head(num_classes)
+
+    def _new_head(self, num_classes: int) -> nn.Module:
+        """A zero-initialised linear head in the model's dtype and on its device (a bf16 or GPU model
+        keeps working after the swap)."""
+        if num_classes <= 0:
+            return nn.Identity()
+        head = nn.Linear(self.embed_dim, num_classes, device=self.pos_embed.device, dtype=self.pos_embed.dtype)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return head
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names kept out of weight decay besides norms and biases."""
-        return {"pos_embed", "cls_token"}
+        return {"pos_embed", "cls_token", "dist_token"}
 
     def _num_pos(self) -> int:
         return self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ThroughputMonitor
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.flop_counter import FlopCounterMode
 
 try:
     import psutil
@@ -27,48 +28,6 @@ def batch_images(batch: Any) -> int:
     if isinstance(batch, Sequence) and batch and isinstance(batch[0], torch.Tensor):
         return batch[0].shape[0]
     raise TypeError(f"cannot count the images in a batch of type {type(batch).__name__}")
-
-
-class RateMeter:
-    """Images per second over a sliding window of steps.
-
-    Each step's interval runs from the previous step's end, so data loading counts; after a
-    `pause()` (validation, epoch end) the clock restarts at the next step's start instead. The very
-    first step of a run (compilation, autotuning) is left out. Rates over many steps need no device
-    synchronisation: the host can only run a bounded number of steps ahead of the device.
-    """
-
-    def __init__(self, window: int = 20) -> None:
-        self.window = window
-        self.reset()
-
-    def reset(self) -> None:
-        self._intervals: deque[tuple[float, int]] = deque(maxlen=self.window)
-        self._last: float | None = None
-        self._skip_next = True
-
-    def pause(self) -> None:
-        self._last = None
-
-    def start(self) -> None:
-        """Call at a step's start; only starts the clock when it is paused."""
-        if self._last is None:
-            self._last = time.perf_counter()
-
-    def update(self, images: int) -> float | None:
-        """Record a finished step of `images`; returns the windowed rate, None when there is none yet."""
-        now = time.perf_counter()
-        last, self._last = self._last, now
-        if last is not None:
-            if self._skip_next:
-                self._skip_next = False
-            else:
-                self._intervals.append((now - last, images))
-        return self.rate()
-
-    def rate(self) -> float | None:
-        seconds = sum(dt for dt, _ in self._intervals)
-        return sum(n for _, n in self._intervals) / seconds if seconds > 0 else None
 
 
 class EMA(EMAWeightAveraging):
@@ -121,23 +80,57 @@ class EMA(EMAWeightAveraging):
         self._latest_update_epoch = state_dict.get("latest_update_epoch", self._latest_update_epoch)
 
 
-class PerfMonitor(Callback):
-    """Logs `train/images_per_sec`, `train/samples_seen`, `perf/epoch_time_s` and `perf/peak_mem_mb`.
+def flops_per_image(model: torch.nn.Module) -> dict[str, int]:
+    """FLOPs of one image through a vitlab model: {"train": forward + backward, "eval": forward}.
 
-    Images are counted per rank and multiplied by the world size (equal batches on every rank).
-    Peak memory is CUDA's `max_memory_allocated` on GPU, else the process RSS (sampled every step).
-    Epoch time is the wall time of the training epoch, its validation included. When attached,
-    `ViTClassifier` leaves images/s to this callback so the metric has one writer.
+    Counted once with `torch.utils.flop_counter` on a meta-device copy: no memory, no compute, and
+    no random numbers drawn (dropout), so counting leaves a run's random streams alone.
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(config, Mapping) or "img_size" not in config:
+        return {}
+    meta = copy.deepcopy(model).to("meta")
+    x = torch.empty(1, int(config.get("in_chans", 3)), *config["img_size"], device="meta")
+    flops = {}
+    for stage, train in (("train", True), ("eval", False)):
+        meta.train(train)
+        with FlopCounterMode(display=False) as counter:
+            out = meta(x)
+            if train:
+                out.float().sum().backward()
+        flops[stage] = counter.get_total_flops()
+    return flops
+
+
+class PerfMonitor(ThroughputMonitor):
+    """Throughput on Lightning's `ThroughputMonitor`, plus samples seen, epoch time and peak memory.
+
+    Throughput (rank 0, over a rolling window of `window` batches; names as Lightning writes them):
+    `train/device/samples_per_sec` (images/s per device; `train/samples_per_sec` for all devices
+    when there are several), `train/device/flops_per_sec` and, on GPUs whose peak Lightning knows,
+    `train/device/mfu`; the same under `validate/`. The FLOPs per image are counted once at setup
+    (`flops_per_image`); Lightning reads them from the module's `flops_per_batch`, set per batch here.
+
+    Also `train/samples_seen` (all ranks, restored on resume), `perf/epoch_time_s` (the training
+    epoch's wall time, its validation included) and `perf/peak_mem_mb` (CUDA's
+    `max_memory_allocated` on GPU, else the process RSS sampled every step).
     """
 
     def __init__(self, window: int = 20) -> None:
-        self.meter = RateMeter(window)
+        super().__init__(batch_size_fn=batch_images, window_size=window)
+        self.flops: dict[str, int] = {}
         self.samples_seen = 0
         self._epoch_start = 0.0
         self._peak_rss = 0
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.meter.reset()
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if not self.flops:
+            self.flops = flops_per_image(getattr(pl_module, "model", pl_module))
+
+    def _set_flops(self, pl_module: L.LightningModule, batch: Any, stage: str) -> None:
+        if stage in self.flops:
+            pl_module.flops_per_batch = self.flops[stage] * batch_images(batch)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._peak_rss = 0
@@ -145,19 +138,12 @@ class PerfMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._epoch_start = time.perf_counter()
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.meter.start()
-
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        images = batch_images(batch) * trainer.world_size
-        self.samples_seen += images
-        rate = self.meter.update(images)
-        if rate is not None:
-            pl_module.log("train/images_per_sec", rate, on_step=True, on_epoch=False)
+        self._set_flops(pl_module, batch, "train")
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.samples_seen += batch_images(batch) * trainer.world_size
         # float64 keeps the count exact past float32's 2**24
         pl_module.log(
             "train/samples_seen", torch.tensor(self.samples_seen, dtype=torch.float64), on_step=True, on_epoch=False
@@ -165,11 +151,14 @@ class PerfMonitor(Callback):
         if pl_module.device.type != "cuda" and psutil is not None:
             self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.meter.pause()  # validation time is not training time
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._set_flops(pl_module, batch, "eval")
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.meter.pause()  # nor is the gap to the next epoch (loader restart, checkpointing)
         elapsed = time.perf_counter() - self._epoch_start
         pl_module.log("perf/epoch_time_s", elapsed, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
         if pl_module.device.type == "cuda":

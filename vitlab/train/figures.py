@@ -17,13 +17,13 @@ import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, WeightAveraging
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix
@@ -75,14 +75,21 @@ def denormalize(x: torch.Tensor, data_config: Mapping[str, Any]) -> np.ndarray:
 def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits `[B, classes]` and the last block's attention to the patches, `[B, h, w]`.
 
-    The query is the class token, or for models pooled without one (GAP, sequence pooling) the mean
-    of the patch rows; heads are averaged. Values are the attention weights themselves (a row's
-    mass on the patches; the rest sits on the class token).
+    The rows read are those the model pools: the class token's, the mean of the patch rows (GAP),
+    or for sequence pooling the rows weighted by the learned pooling weights (as `vitlab explain`
+    reads them); heads are averaged. Values are the attention weights themselves (a row's mass on
+    the patches; the rest sits on the prefix tokens).
     """
     logits, attn = model.forward_attention(x)
     a = attn[-1].float().mean(dim=1)  # [B, N, N], heads averaged
     prefix = int(model.num_prefix_tokens)
-    row = a[:, 0, prefix:] if model.pool == "token" else a[:, prefix:, prefix:].mean(dim=1)
+    if model.pool == "token":
+        row = a[:, 0, prefix:]
+    elif model.pool == "seq":
+        weights = model.attn_pool(model.forward_features(x)).float().softmax(dim=1)  # [B, N, 1], as pool_tokens
+        row = (weights.transpose(1, 2) @ a)[:, 0, prefix:]
+    else:
+        row = a[:, prefix:, prefix:].mean(dim=1)
     h, w = model.patch_embed.grid_size
     return logits.float(), row.reshape(-1, h, w)
 
@@ -201,14 +208,16 @@ class ValidationFigures(Callback):
     every `every_n_epochs`-th validation, and the confusion matrix over the whole validation set at
     the end of fit (and of `validate`).
 
-    The images are taken once and reused so that epochs compare: with `sample="first"` the first
-    `num_images` rank 0 sees in the (unshuffled) validation order; with `sample="spread"` images
-    evenly spaced over the validation set (map-style datasets; class-sorted folders otherwise show
-    one class only), falling back to "first" for streamed data.
+    The images are taken once, during the first validation (rank 0's share, in its order), and
+    reused so that epochs compare. They are spread over the classes: the first image of each class,
+    then the next of each, up to `num_images` (a class-sorted folder would otherwise show one class
+    only); with more classes than images, one image each of the first `num_images` classes seen.
+    The figures are drawn from the weights that were validated: the averaged ones under EMA.
 
     The confusion matrix reads the logits the module's `validation_step` returns (a tensor, or a
-    mapping with "logits"); a module that returns nothing costs a second forward pass per validation batch. It is skipped above `max_classes`
-    classes (a 21k x 21k matrix is gigabytes per rank and unreadable).
+    mapping with "logits"); a module that returns nothing costs a second forward pass per validation
+    batch. It is skipped above `max_classes` classes (a 21k x 21k matrix is gigabytes per rank and
+    unreadable).
     """
 
     def __init__(
@@ -218,10 +227,7 @@ class ValidationFigures(Callback):
         confusion_matrix: bool = True,
         max_classes: int = 100,
         save_png: bool = True,
-        sample: Literal["first", "spread"] = "first",
     ) -> None:
-        if sample not in ("first", "spread"):
-            raise ValueError(f"unknown sample {sample!r}; choose 'first' or 'spread'")
         if num_images < 0:
             raise ValueError(f"num_images must be >= 0, got {num_images}")
         if every_n_epochs < 1:
@@ -231,9 +237,10 @@ class ValidationFigures(Callback):
         self.confusion_matrix = confusion_matrix
         self.max_classes = max_classes
         self.save_png = save_png
-        self.sample = sample
-        self._spread = sample == "spread"  # turned off for data without random access
         self.confmat: MulticlassConfusionMatrix | None = None
+        self._by_class: dict[int, list[torch.Tensor]] = {}  # candidates, in the order they arrived
+        self._classes = 1  # how many classes the grid shows, and images of each
+        self._per_class = 1
         self._images: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
         self._frozen = False
@@ -250,6 +257,8 @@ class ValidationFigures(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         model = _vit(pl_module)
         nc = int(getattr(model, "num_classes", 0) or 0)
+        self._classes = max(1, min(nc, self.num_images)) if nc > 0 else max(1, self.num_images)
+        self._per_class = math.ceil(self.num_images / self._classes)
         if self.confusion_matrix and self.confmat is None and 2 <= nc <= self.max_classes:
             self.confmat = MulticlassConfusionMatrix(nc)
         elif self.confusion_matrix and nc > self.max_classes:
@@ -259,7 +268,7 @@ class ValidationFigures(Callback):
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._frozen:  # the order is fixed, so restarting the capture yields the same images
-            self._images, self._targets = [], []
+            self._by_class = {}
         if self.confmat is not None:
             self.confmat = self.confmat.to(pl_module.device)
             self.confmat.reset()
@@ -275,15 +284,8 @@ class ValidationFigures(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         x, y = _images_targets(batch)
-        if trainer.is_global_zero and not self._frozen and self.num_images and self._spread:
-            self._take_spread(trainer)
-        if trainer.is_global_zero and not self._frozen and self.num_images:
-            need = self.num_images - sum(len(t) for t in self._images)
-            if need > 0:
-                self._images.append(x[:need].detach().cpu())
-                self._targets.append(y[:need].detach().cpu())
-            if need <= len(x):
-                self._frozen = True
+        if trainer.is_global_zero and not self._frozen and self.num_images and not trainer.sanity_checking:
+            self._collect(x, y)
         if self.confmat is None or trainer.sanity_checking:
             return
         logits = self._logits(trainer, pl_module, outputs, x)
@@ -291,17 +293,32 @@ class ValidationFigures(Callback):
             self.confmat.update(logits.argmax(dim=-1), y.to(logits.device))
             self._confmat_updates += 1
 
-    def _take_spread(self, trainer: L.Trainer) -> None:
-        loader = trainer.val_dataloaders
-        dataset = getattr(loader[0] if isinstance(loader, Sequence) else loader, "dataset", None)
-        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            self._spread = False  # streamed data: no random access, take the first images
-            return
-        n = len(dataset)
-        picks = sorted({round(i * (n - 1) / max(self.num_images - 1, 1)) for i in range(min(self.num_images, n))})
-        items = [dataset[i] for i in picks]
-        self._images = [torch.stack([torch.as_tensor(img) for img, _ in items])]
-        self._targets = [torch.tensor([int(t) for _, t in items])]
+    def _collect(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Keep up to `_per_class` images of each of the first `num_images` classes seen; freeze once
+        every slot is filled (otherwise at the end of this validation)."""
+        for img, label in zip(x, y.tolist()):
+            if label not in self._by_class and len(self._by_class) >= self._classes:
+                continue
+            kept = self._by_class.setdefault(label, [])
+            if len(kept) < self._per_class:
+                kept.append(img.detach().cpu())
+        full = [kept for kept in self._by_class.values() if len(kept) >= self._per_class]
+        if len(full) >= self._classes:
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Round-robin over the classes in the order they were seen: the first of each, then the next."""
+        picks = [
+            (img, label)
+            for rank in range(self._per_class)
+            for label, kept in self._by_class.items()
+            if rank < len(kept)
+            for img in [kept[rank]]
+        ][: self.num_images]
+        if picks:
+            self._images = [torch.stack([img for img, _ in picks])]
+            self._targets = [torch.tensor([label for _, label in picks])]
+        self._by_class = {}
         self._frozen = True
 
     def _logits(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, x: torch.Tensor) -> Any:
@@ -325,8 +342,8 @@ class ValidationFigures(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.num_images:
             return
-        if self._images:
-            self._frozen = True
+        if not self._frozen and trainer.is_global_zero:
+            self._freeze()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and (trainer.current_epoch + 1) % self.every_n_epochs:
             return
@@ -340,9 +357,19 @@ class ValidationFigures(Callback):
         # Decided the same on every rank (loggers exist only on rank 0), so FSDP ranks stay in step.
         return self.save_png or bool(trainer.loggers)
 
+    def _validated(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+        """The module holding the weights validation just used. A weight-averaging callback (EMA)
+        swaps its averaged weights in for validation and back at the validation epoch's end: when
+        its hook ran before this one, they sit in its averaged copy of the module."""
+        position = trainer.callbacks.index(self)
+        for cb in trainer.callbacks[:position]:
+            if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None:
+                return cb._average_model.module
+        return pl_module
+
     @torch.no_grad()
     def _draw_samples(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        model = _vit(pl_module)
+        model = _vit(self._validated(trainer, pl_module))
         x = self.images
         y = torch.cat(self._targets)[: len(x)]
         param = next(model.parameters())

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, WeightAveraging
 
-from vitlab.train.checkpointing import LastCheckpoint
+from vitlab.train.last_checkpoint import LastCheckpoint
 
 log = logging.getLogger("vitlab")
 

@@ -10,7 +10,6 @@ memory, and FSDP wraps layers that already exist, so nothing needs deferred cons
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -24,9 +23,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.callbacks import PerfMonitor, RateMeter, batch_images
 from vitlab.train.optim import build_optimizer
-from vitlab.train.schedule import build_scheduler
+from vitlab.train.schedule import lightning_schedule
 
 _COMPILE_PREFIX = "_orig_mod."
 
@@ -65,10 +63,25 @@ def _peek_source_config(path: str) -> dict[str, Any] | None:
     return None
 
 
+def _dropped_tensors(path: str, kept: list[str]) -> list[str] | None:
+    """The tensors of a vitlab Lightning `.ckpt` that the initialised model does not take: a replaced
+    head, a pretraining objective's own parts (masked patch prediction's `mask_token`, `mpp_head.*`).
+    For the init log; None for other formats, whose loaders take every tensor or fail."""
+    p = Path(path)
+    if p.suffix != ".ckpt" or not p.is_file():
+        return None
+    try:  # mmap: only the tensor index is read
+        names = list(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["state_dict"])
+    except Exception:  # noqa: BLE001 - this only feeds a log line
+        return None
+    taken = {f"model.{k}" for k in kept}
+    return sorted(k.removeprefix("model.") for k in names if k not in taken)
+
+
 class ViTClassifier(L.LightningModule):
     """Image classification with a vitlab ViT: cross-entropy (label smoothing, soft targets),
     AdamW/SGD with weight-decay groups and optional layer-wise LR decay, warm-up + cosine/linear
-    per-step schedule, micro-averaged top-1/top-5 accuracy.
+    per-step schedule, micro-averaged top-1 and (above 5 classes) top-5 accuracy.
 
     Every argument is plain data, so the hyperparameters in a checkpoint load with
     `torch.load(weights_only=True)`. `num_classes`, `img_size` and `data_config` are meant to be
@@ -120,19 +133,17 @@ class ViTClassifier(L.LightningModule):
             raise ValueError(f"a classifier needs num_classes >= 2 (got {nc})")
         if class_names is not None and len(class_names) != nc:
             raise ValueError(f"{len(class_names)} class_names for {nc} classes")
-        top5 = 5 if nc > 5 else nc
         # average="micro": plain fraction of correct samples (the torchmetrics default is macro).
         self.train_loss = MeanMetric()
         self.train_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
         self.val_loss = MeanMetric()
         self.val_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
-        self.val_acc5 = MulticlassAccuracy(nc, top_k=top5, average="micro")
         self.test_loss = MeanMetric()
         self.test_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
-        self.test_acc5 = MulticlassAccuracy(nc, top_k=top5, average="micro")
+        # Top-5 only says something with more than 5 classes (with 5 or fewer it is always 100%).
+        self.val_acc5 = MulticlassAccuracy(nc, top_k=5, average="micro") if nc > 5 else None
+        self.test_acc5 = MulticlassAccuracy(nc, top_k=5, average="micro") if nc > 5 else None
 
-        self._rate = RateMeter()
-        self._log_rate = True
         self._compiled = False
 
     # ---- model -----------------------------------------------------------------------------------
@@ -159,7 +170,10 @@ class ViTClassifier(L.LightningModule):
         from vitlab.interop import load_pretrained  # written alongside; imported only when used
 
         source = _peek_source_config(path)
-        model = load_pretrained(path, **args)
+        config = dict(args)  # a new input size or class count resamples / replaces, the rest builds the model
+        model = load_pretrained(
+            path, img_size=config.pop("img_size", None), num_classes=config.pop("num_classes", None), config=config
+        )
         if not isinstance(model, VisionTransformer):
             raise TypeError(f"load_pretrained returned {type(model).__name__}, expected a VisionTransformer")
         # `arch` still names the size: a mismatch is almost always a wrong path or a wrong arch.
@@ -180,9 +194,17 @@ class ViTClassifier(L.LightningModule):
             "num_classes": f"{old_classes} -> {new_classes}",
         }
         head = " (new zero-initialised head, pre-logits dropped)" if old_classes != new_classes else ""
+        new = [k for k in model.state_dict() if k.startswith(("head.", "head_dist."))] if head else []
+        kept = [k for k in model.state_dict() if k not in new]
+        dropped = _dropped_tensors(path, kept)
+        listed = (", ".join(dropped) or "none") if dropped is not None else "not listed for this format"
+        self.init_summary.update(tensors_kept=str(len(kept)), tensors_new=", ".join(new) or "none",
+                                 tensors_dropped=listed)  # fmt: skip
         rank_zero_info(
             f"init_from {path}: position-embedding grid {old_grid} -> {new_grid}, "
-            f"classes {old_classes} -> {new_classes}{head}"
+            f"classes {old_classes} -> {new_classes}{head}; tensors: {len(kept)} kept"
+            f"{' (pos_embed resampled)' if old_grid != new_grid else ''}, new: {', '.join(new) or 'none'}, "
+            f"dropped: {listed}"
         )
         model.train()  # the loader hands back an eval-mode model
         return model
@@ -206,12 +228,19 @@ class ViTClassifier(L.LightningModule):
             raise ValueError(f"soft targets of shape {tuple(target.shape)} for logits {tuple(logits.shape)}")
         return F.cross_entropy(logits.float(), target, label_smoothing=self.hparams.label_smoothing)
 
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(training loss, the logits the model predicts with, further per-step scalars to log);
+        subclasses with another objective (distillation) override this, not `training_step`."""
+        logits = self(x)
+        return self.loss(logits, y), logits, {}
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = _unpack(batch)
-        logits = self(x)
-        loss = self.loss(logits, y)
+        loss, logits, extra = self.compute_loss(x, y)
         hard = y.argmax(dim=1) if y.ndim == 2 else y
         n = x.shape[0]
+        for name, value in extra.items():
+            self.log(f"train/{name}", value.detach(), on_step=True, on_epoch=False, batch_size=n)
         # Per-step values under the plain names (on_step + on_epoch would rename them `_step`/`_epoch`);
         # the epoch means come from the metric objects, which torchmetrics reduces across ranks.
         acc1 = self.train_acc1(logits.detach(), hard)
@@ -234,11 +263,12 @@ class ViTClassifier(L.LightningModule):
         loss, acc1, acc5 = (getattr(self, f"{stage}_{name}") for name in ("loss", "acc1", "acc5"))
         loss.update(F.cross_entropy(logits.float(), hard), n)
         acc1.update(logits, hard)
-        acc5.update(logits, hard)
         # Metric objects: torchmetrics reduces across ranks at epoch end.
         self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
         self.log(f"{stage}/acc1", acc1, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
-        self.log(f"{stage}/acc5", acc5, on_step=False, on_epoch=True, batch_size=n)
+        if acc5 is not None:
+            acc5.update(logits, hard)
+            self.log(f"{stage}/acc5", acc5, on_step=False, on_epoch=True, batch_size=n)
         return logits.detach()  # the logits, for callbacks (confusion matrix)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -252,28 +282,6 @@ class ViTClassifier(L.LightningModule):
         x = batch if isinstance(batch, torch.Tensor) else _unpack(batch)[0]
         return self(x).float().softmax(dim=-1)
 
-    # ---- throughput ------------------------------------------------------------------------------
-
-    def on_fit_start(self) -> None:
-        # PerfMonitor, when attached, owns `train/images_per_sec`.
-        self._log_rate = not any(isinstance(cb, PerfMonitor) for cb in self.trainer.callbacks)
-        self._rate.reset()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._rate.start()
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._log_rate:
-            rate = self._rate.update(batch_images(batch) * self.trainer.world_size)
-            if rate is not None:
-                self.log("train/images_per_sec", rate, on_step=True, on_epoch=False)
-
-    def on_validation_start(self) -> None:
-        self._rate.pause()  # validation time is not training time
-
-    def on_train_epoch_end(self) -> None:
-        self._rate.pause()  # nor is the gap to the next epoch
-
     # ---- optimisation ----------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -282,13 +290,7 @@ class ViTClassifier(L.LightningModule):
             self.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
             momentum=hp.momentum, layer_decay=hp.layer_decay,
         )  # fmt: skip
-        total = self.trainer.estimated_stepping_batches
-        total = total if math.isinf(total) else int(total)
-        scheduler = build_scheduler(
-            optimizer, warmup_steps=hp.warmup_steps, total_steps=total, schedule=hp.schedule,
-            min_lr_ratio=hp.min_lr_ratio,
-        )  # fmt: skip
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

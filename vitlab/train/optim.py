@@ -28,7 +28,7 @@ def _clean_name(name: str) -> str:
 
 def layer_id(name: str, depth: int) -> int:
     """Depth index for layer-wise LR decay: tokenizer/cls/pos 0, block i -> i + 1, the rest depth + 1."""
-    if name.startswith(("patch_embed.", "cls_token", "pos_embed")):
+    if name.startswith(("patch_embed.", "cls_token", "dist_token", "pos_embed")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1

@@ -20,16 +20,31 @@ log = logging.getLogger("vitlab")
 REDACTED = "<redacted>"
 
 
-# Environment variable names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
-# Whole-word matches only: TOKENIZERS_PARALLELISM is not a secret.
+# Environment variable names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASS,
+# MY_SERVICE_KEY, ...). Whole-word matches only: TOKENIZERS_PARALLELISM and PWD are not secrets.
 _SECRET_ENV = re.compile(
-    r"(?:^|_)(?:API_?KEY|KEY_?ID|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|ACCESS_?KEY|PRIVATE_?KEY|AUTH)(?:_|$)",
+    r"(?:^|_)(?:API_?KEY|KEY|KEY_?ID|TOKEN|SECRET|PASS|PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?|ACCESS_?KEY"
+    r"|PRIVATE_?KEY|AUTH)(?:_|$)",
     re.IGNORECASE,
 )
+# Values that are credentials by their shape, whatever the variable is called: provider-prefixed tokens
+# (hf_, ghp_, github_pat_, glpat-, xoxb-, sk-), AWS access key ids, JWTs, long hex keys (wandb's are 40).
+_SECRET_SHAPES = re.compile(
+    r"(?:hf|gh[pousr]|github_pat|glpat|xox[abposr]|sk|rk)[_-][A-Za-z0-9_-]{16,}"
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
+    r"|[0-9a-fA-F]{32,}"
+)
+# Any other long random-looking token: 20+ characters of a key alphabet (no path separators, no spaces)
+# mixing upper case, lower case and digits, that switches between those kinds at 45% or more of its
+# characters. Random base62 switches at about 62%; CamelCase names with a number
+# ("ImageNet21kTrainSplit2024") at 25-42%, because words are long runs of lower case.
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9+=_-]{20,}")
+_MIN_TOKEN_SWITCHES = 0.45
 # Config / hparam keys whose value is a credential whatever it looks like.
 _SECRET_KEY = re.compile(
-    r"(?:^|[-_.])(?:api[-_]?key|apikey|token|secret|password|passwd|credentials?|access[-_]?key|private[-_]?key)"
-    r"(?:$|[-_.])",
+    r"(?:^|[-_.])(?:api[-_]?key|apikey|token|secret|password|passwd|pass|credentials?|access[-_]?key"
+    r"|private[-_]?key)(?:$|[-_.])",
     re.IGNORECASE,
 )
 # user:password@ inside a URL.
@@ -38,10 +53,27 @@ _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
 _MIN_SECRET_LEN = 8
 
 
+def looks_like_secret(value: str) -> bool:
+    """True when `value` has the shape of a credential (see `_SECRET_SHAPES`, `_TOKEN_CHARS`)."""
+    value = value.strip()
+    if _SECRET_SHAPES.fullmatch(value):
+        return True
+    if not _TOKEN_CHARS.fullmatch(value):
+        return False
+    if not (re.search(r"[a-z]", value) and re.search(r"[A-Z]", value) and re.search(r"[0-9]", value)):
+        return False
+    kinds = ["a" if c.islower() else "A" if c.isupper() else "0" if c.isdigit() else "." for c in value]
+    switches = sum(a != b for a, b in zip(kinds, kinds[1:]))
+    return switches >= _MIN_TOKEN_SWITCHES * (len(value) - 1)
+
+
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Values of the credential-like variables in `environ` (default: os.environ), longest first."""
+    """Values in `environ` (default: os.environ) that are credentials by their variable's name or by
+    their own shape, longest first."""
     env = os.environ if environ is None else environ
-    found = {v for k, v in env.items() if _SECRET_ENV.search(k) and len(v) >= _MIN_SECRET_LEN}
+    found = {
+        v for k, v in env.items() if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or looks_like_secret(v))
+    }
     return sorted(found, key=len, reverse=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -76,3 +76,16 @@ def build_scheduler(
         warmup_schedule, warmup_steps=warmup, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio
     )
     return LambdaLR(optimizer, fn)
+
+
+def lightning_schedule(
+    optimizer: Optimizer, trainer: Any, warmup_steps: int | float, schedule: Schedule, min_lr_ratio: float
+) -> dict[str, Any]:
+    """`configure_optimizers`' return value: the optimizer and `build_scheduler` over the trainer's
+    whole run (`estimated_stepping_batches`), stepped every optimizer step."""
+    total = trainer.estimated_stepping_batches
+    total = total if math.isinf(total) else int(total)
+    scheduler = build_scheduler(
+        optimizer, warmup_steps=warmup_steps, total_steps=total, schedule=schedule, min_lr_ratio=min_lr_ratio
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

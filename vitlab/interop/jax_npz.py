@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vitlab.interop.base import Converted, Source
+from vitlab.interop.architecture import Converted, Source
 from vitlab.models.resize import to_2tuple
 
 FORMAT_GOOGLE = "npz (vision_transformer)"
@@ -45,7 +45,7 @@ def looks_like(keys: list[str]) -> bool:
     return find_prefix(keys) is not None
 
 
-def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]) -> Converted:
+def convert(arrays: Mapping[str, Any], path: str, config: Mapping[str, Any]) -> Converted:
     keys = list(arrays)
     p = find_prefix(keys) or ""
     stacked = f"{p}Transformer/encoderblock/LayerNorm_0/scale" in arrays
@@ -53,7 +53,7 @@ def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]
     fmt = FORMAT_BIG_VISION if big_vision else FORMAT_GOOGLE
     # Only the parameter tree counts; optimiser state etc. under other roots is not the model's.
     src = Source({k: v for k, v in arrays.items() if k.startswith(p)}, fmt, path)
-    conv = Converted(fmt, {}, path, hints={"norm_eps": 1e-6}, data_config=dict(DATA_CONFIG), resample=dict(RESAMPLE))
+    conv = Converted(fmt, {}, path, config={"norm_eps": 1e-6}, data_config=dict(DATA_CONFIG), resample=dict(RESAMPLE))
 
     def dense(key: str, name: str, idx: int | None = None) -> None:
         conv.put(f"{name}.weight", src.take(f"{key}/kernel", idx, ndim=2).T, f"{key}/kernel")
@@ -63,6 +63,8 @@ def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]
         conv.put(f"{name}.weight", src.take(f"{key}/scale", idx, ndim=1), f"{key}/scale")
         conv.put(f"{name}.bias", src.take(f"{key}/bias", idx, ndim=1), f"{key}/bias")
 
+    if f"{p}conv_root/kernel" in src:
+        _resnet(src, conv, p, norm)
     kernel = src.take(f"{p}embedding/kernel", ndim=4)  # [p, p, in, dim] -> [dim, in, p, p]
     conv.put("patch_embed.proj.weight", kernel.permute(3, 2, 0, 1), f"{p}embedding/kernel")
     conv.put("patch_embed.proj.bias", src.take(f"{p}embedding/bias", ndim=1), f"{p}embedding/bias")
@@ -72,7 +74,7 @@ def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]
     pos_key = f"{p}pos_embedding" if f"{p}pos_embedding" in src else f"{p}Transformer/posembed_input/pos_embedding"
     pos = src.take(pos_key, ndim=(2, 3))
     pos = pos[None] if pos.ndim == 2 else pos
-    if has_cls and not _has_cls_slot(pos.shape[1], kernel.shape[0], user_config):
+    if has_cls and not _has_cls_slot(pos.shape[1], kernel.shape[0], config):
         # big_vision adds the position embedding before appending the class token: a zero slot is the same.
         pos = torch.cat([pos.new_zeros(1, 1, pos.shape[-1]), pos], dim=1)
     conv.put("pos_embed", pos, pos_key)
@@ -93,8 +95,8 @@ def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]
         qkv_w, qkv_b = [], []
         for part in ("query", "key", "value"):
             w = src.take(f"{mha}/{part}/kernel", idx, ndim=(2, 3))  # [dim, heads, head_dim]
-            if w.ndim == 3 and "num_heads" not in conv.hints:
-                conv.hints["num_heads"] = int(w.shape[1])
+            if w.ndim == 3 and "num_heads" not in conv.config:
+                conv.config["num_heads"] = int(w.shape[1])
             qkv_w.append(w.reshape(w.shape[0], -1).T)
             if f"{mha}/{part}/bias" in src:
                 qkv_b.append(src.take(f"{mha}/{part}/bias", idx, ndim=(1, 2)).reshape(-1))
@@ -126,9 +128,32 @@ def convert(arrays: Mapping[str, Any], path: str, user_config: Mapping[str, Any]
     return conv
 
 
-def _has_cls_slot(tokens: int, patch: int, user_config: Mapping[str, Any]) -> bool:
+def _has_cls_slot(tokens: int, patch: int, config: Mapping[str, Any]) -> bool:
     """Whether a position embedding of `tokens` rows includes the class token's row."""
-    if user_config.get("img_size") is not None:
-        h, w = to_2tuple(user_config["img_size"])
+    if config.get("img_size") is not None:
+        h, w = to_2tuple(config["img_size"])
         return tokens == (h // patch) * (w // patch) + 1
     return math.isqrt(tokens - 1) ** 2 == tokens - 1 and math.isqrt(tokens) ** 2 != tokens
+
+
+def _resnet(src: Source, conv: Converted, p: str, norm: Any) -> None:
+    """The hybrid's ResNet (R50+ViT-B/16, R26+ViT-S/32...) under timm's names: `conv_root`, `gn_root`,
+    `block{S}/unit{U}/{conv1..3, gn1..3, conv_proj, gn_proj}`. Without stages (R+ViT-Ti) the root is
+    the whole backbone."""
+    pattern = re.compile(rf"^{re.escape(p)}block(\d+)/unit(\d+)/")
+    units = sorted({(int(m.group(1)), int(m.group(2))) for k in src.keys() if (m := pattern.match(k))})
+    root = "patch_embed.backbone.stem." if units else "patch_embed.backbone."
+
+    def kernel(key: str, name: str) -> None:  # [kh, kw, in, out] -> [out, in, kh, kw]
+        conv.put(name, src.take(key, ndim=4).permute(3, 2, 0, 1), key)
+
+    kernel(f"{p}conv_root/kernel", root + "conv.weight")
+    norm(f"{p}gn_root", root + "norm")
+    for s, u in units:
+        bp, tp = f"{p}block{s}/unit{u}/", f"patch_embed.backbone.stages.{s - 1}.blocks.{u - 1}."
+        for r in (1, 2, 3):
+            kernel(f"{bp}conv{r}/kernel", f"{tp}conv{r}.weight")
+            norm(f"{bp}gn{r}", f"{tp}norm{r}")
+        if f"{bp}conv_proj/kernel" in src:
+            kernel(f"{bp}conv_proj/kernel", f"{tp}downsample.conv.weight")
+            norm(f"{bp}gn_proj", f"{tp}downsample.norm")

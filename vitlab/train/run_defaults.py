@@ -1,4 +1,4 @@
-"""What every run gets by default: loggers and checkpoints under its run folder."""
+"""What every run gets by default: loggers, callbacks and checkpoint IO, all under its run folder."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitlab.train.callbacks import PerfMonitor
-from vitlab.train.checkpointing import AtomicCheckpointIO, ExactResume, LastCheckpoint
+from vitlab.train.checkpoint_io import AtomicCheckpointIO
 from vitlab.train.figures import FinetuneSource, ValidationFigures
 from vitlab.train.guards import NonFiniteGuard, RunDirCheck, check_run_dir
+from vitlab.train.last_checkpoint import LastCheckpoint
 from vitlab.train.redaction import RedactSecrets, keep_argv_out_of_trackers
+from vitlab.train.resume import ExactResume
 
 log = logging.getLogger("vitlab")
 
@@ -66,7 +68,10 @@ def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None
     loggers: list[Logger] = []
     for name in names:
         if name == "tensorboard":
-            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+            # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
+            loggers.append(
+                TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+            )
         elif name == "csv":
             loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
         elif name == "wandb":

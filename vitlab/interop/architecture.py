@@ -1,8 +1,9 @@
 """What every format converter shares: tensor access with checks, architecture inference, building.
 
-Each converter turns a peer's checkpoint into vitlab parameter names (which equal timm's) plus
-hints (what the shapes cannot tell, e.g. the norm eps), then `build_model` infers the rest of the
-architecture from the shapes, builds the model and loads it strictly.
+Each converter turns a peer's checkpoint into vitlab parameter names (which equal timm's) plus the
+part of the model config (`VisionTransformer` constructor arguments) that the shapes cannot tell,
+e.g. the norm eps; then `build_model` infers the rest of the config from the shapes, builds the
+model and loads it strictly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from vitlab.interop.errors import CheckpointError
 from vitlab.models.resize import to_2tuple
+from vitlab.models.resnet import resnet_stride
 from vitlab.models.variants import VARIANTS
 from vitlab.models.vit import VisionTransformer
 
@@ -135,10 +137,10 @@ class Converted:
     state_dict: dict[str, torch.Tensor]
     path: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # vitlab name -> the source name(s), for messages
-    hints: dict[str, Any] = field(default_factory=dict)  # constructor args the shapes do not tell
+    config: dict[str, Any] = field(default_factory=dict)  # constructor args the file states
+    complete: bool = False  # `config` holds every constructor argument (vitlab checkpoints): no inference
     data_config: dict[str, Any] = field(default_factory=dict)
     resample: dict[str, Any] = field(default_factory=lambda: dict(TIMM_RESAMPLE))  # the family's own rule
-    config: dict[str, Any] | None = None  # a stored full config (native checkpoints): no inference
 
     def error(self, message: str) -> CheckpointError:
         return CheckpointError(message, format=self.format, path=self.path)
@@ -148,11 +150,14 @@ class Converted:
         self.sources[name] = source
 
 
-def infer_config(sd: Mapping[str, torch.Tensor], hints: Mapping[str, Any], err: Any) -> dict[str, Any]:
-    """Constructor arguments from the shapes of a vitlab-named state dict; `hints` fill what shapes cannot."""
+def infer_config(sd: Mapping[str, torch.Tensor], config: Mapping[str, Any], err: Any) -> dict[str, Any]:
+    """Constructor arguments from the shapes of a vitlab-named state dict; `config` fills what shapes cannot."""
     cfg: dict[str, Any] = {}
-    in_chans = int(hints.get("in_chans", 3))
-    if "patch_embed.proj.weight" in sd and "patch_embed.norm.weight" in sd:
+    in_chans = int(config.get("in_chans", 3))
+    if any(k.startswith("patch_embed.backbone.") for k in sd):
+        dim, in_chans, patch, hybrid = _resnet_stem(sd, err)
+        cfg.update(hybrid)
+    elif "patch_embed.proj.weight" in sd and "patch_embed.norm.weight" in sd:
         dim, patch_dim = sd["patch_embed.proj.weight"].shape
         patch = math.isqrt(patch_dim // (5 * in_chans))
         if 5 * in_chans * patch * patch != patch_dim:
@@ -187,6 +192,7 @@ def infer_config(sd: Mapping[str, torch.Tensor], hints: Mapping[str, Any], err: 
         mlp_ratio = (hidden + 0.5) / dim
 
     class_token = "cls_token" in sd
+    distilled = "dist_token" in sd  # DeiT: a second prefix token with its own head
     if "fc_norm.weight" in sd:
         pool = "avg"
     elif "attn_pool.weight" in sd:
@@ -199,7 +205,7 @@ def infer_config(sd: Mapping[str, torch.Tensor], hints: Mapping[str, Any], err: 
             "which vitlab's ViT does not implement (its GAP models normalise after pooling, as timm's fc_norm)"
         )
 
-    num_heads = hints.get("num_heads") or default_num_heads(dim)
+    num_heads = config.get("num_heads") or default_num_heads(dim)
     if not num_heads:
         raise err(
             f"num_heads is not stored in the checkpoint and embed_dim={dim} does not follow the "
@@ -211,9 +217,9 @@ def infer_config(sd: Mapping[str, torch.Tensor], hints: Mapping[str, Any], err: 
     pos = sd["pos_embed"]
     if pos.ndim != 3 or pos.shape[0] != 1:
         raise err(f"pos_embed has shape {tuple(pos.shape)}; expected [1, tokens, dim]")
-    cells = pos.shape[1] - (1 if class_token else 0)
-    if hints.get("img_size") is not None:
-        h, w = to_2tuple(hints["img_size"])
+    cells = pos.shape[1] - int(class_token) - int(distilled)
+    if config.get("img_size") is not None:
+        h, w = to_2tuple(config["img_size"])
         if (h // patch) * (w // patch) != cells:
             raise err(
                 f"img_size {h}x{w} with patch {patch} gives {(h // patch) * (w // patch)} grid tokens, "
@@ -245,9 +251,30 @@ def infer_config(sd: Mapping[str, torch.Tensor], hints: Mapping[str, Any], err: 
         representation_size=int(pre.shape[0]) if pre is not None else None,
         num_classes=int(head.shape[0]) if head is not None else 0,
         lsa="blocks.0.attn.log_scale" in sd,
-        norm_eps=hints.get("norm_eps", 1e-6),
+        distilled=distilled,
+        norm_eps=config.get("norm_eps", 1e-6),
     )
     return cfg
+
+
+def _resnet_stem(sd: Mapping[str, torch.Tensor], err: Any) -> tuple[int, int, int, dict[str, Any]]:
+    """embed_dim, in_chans, total stride and the stem arguments of a ResNet hybrid (timm's
+    `patch_embed.backbone.*`): root width, blocks per stage, projection kernel on the feature map."""
+    roots = ("patch_embed.backbone.stem.conv.weight", "patch_embed.backbone.conv.weight")  # with stages, root only
+    root = next((k for k in roots if k in sd), None)
+    if root is None or "patch_embed.proj.weight" not in sd:
+        raise err(f"a ResNet hybrid needs its root conv ({' or '.join(roots)}) and patch_embed.proj.weight")
+    depths: dict[int, int] = {}
+    for k in sd:
+        if m := re.match(r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.", k):
+            depths[int(m.group(1))] = max(depths.get(int(m.group(1)), 0), int(m.group(2)) + 1)
+    if sorted(depths) != list(range(len(depths))):
+        raise err(f"ResNet stage indices are not 0..{len(depths) - 1}: {sorted(depths)}")
+    proj = sd["patch_embed.proj.weight"]
+    width, in_chans = sd[root].shape[:2]
+    patch = resnet_stride(len(depths)) * proj.shape[-1]
+    layers = [depths[i] for i in range(len(depths))]
+    return proj.shape[0], in_chans, patch, dict(stem="resnet", stem_layers=layers, stem_channels=int(width))
 
 
 def _check_fit(model: VisionTransformer, conv: Converted) -> None:
@@ -282,15 +309,17 @@ def _check_fit(model: VisionTransformer, conv: Converted) -> None:
     raise conv.error("\n".join(lines))
 
 
-def build_model(conv: Converted, config: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> VisionTransformer:
-    """Infer (or take the stored) config, build the model without initialising it, and load strictly."""
-    user = {**(config or {}), **overrides}
-    if conv.config is not None:
-        cfg = {**conv.config, **user}
+def build_model(conv: Converted, config: Mapping[str, Any]) -> VisionTransformer:
+    """Infer (or take the stored) config, build the model without initialising it, and load strictly.
+
+    `config`: the caller's constructor arguments, which win over the file's and the inferred ones.
+    """
+    if conv.complete:
+        cfg = {**conv.config, **config}
     else:
-        hints = {**conv.hints, **user}
+        known = {**conv.config, **config}
         try:
-            cfg = {**infer_config(conv.state_dict, hints, conv.error), **hints}
+            cfg = {**infer_config(conv.state_dict, known, conv.error), **known}
         except CheckpointError:
             raise
         except (KeyError, IndexError, TypeError, ValueError) as e:  # tensors of unexpected rank or absent

@@ -112,10 +112,11 @@ def _read_torch(path: Path) -> Any:
     except pickle.UnpicklingError as e:
         text = str(e)
         if "weights only" not in text.lower() or any(m in text for m in _MALFORMED):
-            first = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
-            raise CheckpointError(f"not a readable torch file ({first})", path=str(path)) from e
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            detail = next((ln for ln in lines if any(m in ln for m in _MALFORMED)), lines[-1] if lines else "")
+            raise CheckpointError(f"not a readable torch file ({detail})", path=str(path)) from e
         raise UnsafeCheckpointError(_unsafe_message(path, e), path=str(path)) from e
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle fails in many ways (KeyError, IndexError, ...)
         raise CheckpointError(f"not a readable torch file ({type(e).__name__}: {e})", path=str(path)) from e
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vitlab.interop.base import Converted, Source, strip_prefix
+from vitlab.interop.architecture import Converted, Source, strip_prefix
 from vitlab.interop.errors import CheckpointError
 from vitlab.models.vit import VisionTransformer
 
@@ -59,7 +59,8 @@ def _take_all(src: Source, names: Mapping[str, str], conv: Converted) -> None:
 
 def convert_saved(tensors: Mapping[str, torch.Tensor], sidecar: Mapping[str, Any], path: str) -> Converted:
     src = Source(tensors, FORMAT, path)
-    conv = Converted(FORMAT, {}, path, config=dict(sidecar["model"]), data_config=dict(sidecar.get("data") or {}))
+    data = dict(sidecar.get("data") or {})
+    conv = Converted(FORMAT, {}, path, config=dict(sidecar["model"]), complete=True, data_config=data)
     _take_all(src, {k: k for k in src.keys()}, conv)
     return conv
 
@@ -74,7 +75,7 @@ def convert_lightning(ckpt: Mapping[str, Any], path: str) -> Converted:
     src = Source(sd, fmt, path)
     if isinstance(meta, Mapping) and isinstance(meta.get("model_config"), Mapping):
         data = dict(meta.get("data_config") or {})
-        conv = Converted(fmt, {}, path, config=dict(meta["model_config"]), data_config=data)
+        conv = Converted(fmt, {}, path, config=dict(meta["model_config"]), complete=True, data_config=data)
     else:  # no metadata: the shapes say what the model was
         conv = Converted(f"{fmt}, config inferred", {}, path)
     _take_all(src, names, conv)

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitlab.interop import hf, native, npz, timm, torchvision
-from vitlab.interop.base import TIMM_RESAMPLE, Converted, build_model
+from vitlab.interop import hf, jax_npz, timm, torchvision, vitlab_format
+from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, build_model
 from vitlab.interop.errors import CheckpointError
-from vitlab.interop.io import RawCheckpoint, read_checkpoint
+from vitlab.interop.files import RawCheckpoint, read_checkpoint
 from vitlab.models.resize import to_2tuple
 from vitlab.models.vit import VisionTransformer
 
@@ -34,26 +34,27 @@ def load_pretrained(
     num_classes: int | None = None,
     config: Mapping[str, Any] | None = None,
     resample: str | Mapping[str, Any] | None = None,
-    **overrides: Any,
 ) -> VisionTransformer:
     """Load a ViT checkpoint of any supported format into a vitlab `VisionTransformer` (eval mode).
 
     `path`: a vitlab `save_pretrained` folder or its `model.safetensors`, a vitlab Lightning `.ckpt`,
     a timm / HF transformers / torchvision state dict (`.pth`, `.bin`, `.safetensors`) or a Google
     `.npz`. The format is detected from the tensor names and the architecture inferred from their
-    shapes; `config` sets what shapes cannot tell (`num_heads` for torch formats, `img_size` for a
-    non-square grid, `in_chans`), `overrides` are further constructor arguments (`drop_path_rate`...).
+    shapes. `config`: `VisionTransformer` constructor arguments, the same word as `model.config`; they
+    set what shapes cannot tell (`num_heads` for torch formats, `img_size` for a non-square grid,
+    `in_chans`) and override the rest (`drop_path_rate`...).
 
     `img_size`: resample the position embeddings to this input size, with timm's rule (bicubic,
     antialias) unless `resample="family"` (the source's own rule) or a dict of
     `resample_pos_embed` arguments is given. `num_classes`: swap in a zero-initialised head.
     """
-    unknown = sorted(set(config or {}).union(overrides) - _CONSTRUCTOR_ARGS)
+    config = dict(config or {})
+    unknown = sorted(set(config) - _CONSTRUCTOR_ARGS)
     if unknown:
-        raise TypeError(f"unknown VisionTransformer argument(s): {', '.join(unknown)}")
+        raise TypeError(f"unknown VisionTransformer argument(s) in config: {', '.join(unknown)}")
     raw = read_checkpoint(path)
-    conv = convert(raw, config or {})
-    model = build_model(conv, config, overrides)
+    conv = convert(raw, config)
+    model = build_model(conv, config)
     if img_size is not None and to_2tuple(img_size) != tuple(model.patch_embed.img_size):
         model.set_image_size(img_size, **_resample_rule(resample, conv))
     if num_classes is not None and num_classes != model.num_classes:
@@ -72,28 +73,28 @@ def _resample_rule(resample: str | Mapping[str, Any] | None, conv: Converted) ->
     raise ValueError(f"resample={resample!r}; use None/'timm', 'family' or a dict of resample_pos_embed arguments")
 
 
-def convert(raw: RawCheckpoint, user_config: Mapping[str, Any]) -> Converted:
-    """Detect the format of a read checkpoint and convert it to vitlab names."""
+def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
+    """Detect the format of a read checkpoint and convert it to vitlab names (`config`: the caller's)."""
     path = str(raw.path)
     obj = raw.obj
     if raw.kind == "npz":
-        if npz.looks_like(list(obj)):
-            return npz.convert(obj, path, user_config)
+        if jax_npz.looks_like(list(obj)):
+            return jax_npz.convert(obj, path, config)
         raise _not_a_vit(list(obj), path)
-    if native.is_lightning(obj):
-        return native.convert_lightning(obj, path)
+    if vitlab_format.is_lightning(obj):
+        return vitlab_format.convert_lightning(obj, path)
     tensors = _unwrap(obj, path)
     keys = list(tensors)
-    if native.is_native_sidecar(raw.sidecar) and timm.looks_like(keys):
-        return native.convert_saved(tensors, raw.sidecar, path)  # type: ignore[arg-type]
+    if vitlab_format.is_native_sidecar(raw.sidecar) and timm.looks_like(keys):
+        return vitlab_format.convert_saved(tensors, raw.sidecar, path)  # type: ignore[arg-type]
     if timm.looks_like(keys):
-        return timm.convert(tensors, path, user_config, raw.sidecar)
+        return timm.convert(tensors, path, config, raw.sidecar)
     if hf.looks_like(keys):
         return hf.convert(tensors, path, raw.sidecar)
     if torchvision.looks_like(keys):
         return torchvision.convert(tensors, path)
-    if npz.looks_like(keys):  # Flax names in a torch/safetensors container
-        return npz.convert(tensors, path, user_config)
+    if jax_npz.looks_like(keys):  # Flax names in a torch/safetensors container
+        return jax_npz.convert(tensors, path, config)
     raise _not_a_vit(keys, path)
 
 

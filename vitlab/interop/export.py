@@ -1,0 +1,77 @@
+"""`export`: write a vitlab model in the format another runtime loads (vitlab, HF transformers, timm, ONNX).
+
+Each format module writes its own files; this one holds what they share: which model options each
+format can express, checked before anything is written, so an export is never a silently
+different model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from vitlab.errors import UserError
+from vitlab.models.vit import VisionTransformer
+
+FORMATS = ("vitlab", "hf", "timm", "onnx")
+# ONNX traces the forward pass, so it takes every option; vitlab's own format stores the config.
+_ALL = frozenset(FORMATS)
+_TRACED = frozenset({"vitlab", "onnx"})
+
+
+class ExportError(UserError, ValueError):
+    """The model uses an option the target format cannot express, or the export needs a missing package."""
+
+
+def _options(config: Mapping[str, Any]) -> list[tuple[str, frozenset[str]]]:
+    """Each option the model uses that some format cannot express, with the formats that can."""
+    found: list[tuple[str, frozenset[str]]] = []
+
+    def need(used: bool, option: str, formats: frozenset[str]) -> None:
+        if used:
+            found.append((option, formats))
+
+    need(config.get("stem", "patch") != "patch", f"stem={config.get('stem')!r} (a tokenizer other than patches)",
+         _TRACED)  # fmt: skip
+    need(config.get("pool") == "seq", "pool='seq' (sequence pooling)", _TRACED)
+    need(config.get("pool") == "avg", "pool='avg' (average pooling)", _TRACED | {"timm"})
+    need(not config.get("class_token", True), "class_token=False", _TRACED | {"timm"})
+    need(bool(config.get("lsa")), "lsa=True (locality self-attention)", _TRACED)
+    need(config.get("pos_embed", "learn") == "sincos", "pos_embed='sincos' (fixed 2D sin-cos)", _TRACED)
+    need(bool(config.get("representation_size")), "representation_size (a pre-logits layer)", _TRACED)
+    need(bool(config.get("distilled")), "distilled=True (a distillation token and head)", _TRACED)
+    need(config.get("num_classes", 1) <= 0, "num_classes=0 (no classification head)", _ALL - {"hf"})
+    need(config.get("norm_eps", 1e-6) != 1e-6, f"norm_eps={config.get('norm_eps')} (timm's ViT fixes 1e-6)",
+         _ALL - {"timm"})  # fmt: skip
+    return found
+
+
+def check_expressible(model: VisionTransformer, format: str) -> None:
+    """Raise `ExportError` naming every option of `model` that `format` cannot express."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    missing = [(opt, ok) for opt, ok in _options(model.config) if format not in ok]
+    if missing:
+        lines = [f"{opt}: export it as {' or '.join(f for f in FORMATS if f in ok)}" for opt, ok in missing]
+        raise ExportError(
+            f"the {format} format cannot express this model, which uses:\n  " + "\n  ".join(lines)
+        )
+
+
+def _writers() -> dict[str, Callable[[VisionTransformer, Path], Path]]:
+    from vitlab.interop import hf, onnx, timm, vitlab_format
+
+    return {"vitlab": vitlab_format.save_pretrained, "hf": hf.export_hf, "timm": timm.export_timm,
+            "onnx": onnx.export_onnx}  # fmt: skip
+
+
+def export(model: VisionTransformer | str | Path, format: str, out: str | Path) -> Path:
+    """Write `model` (or the checkpoint at that path, any format `load_pretrained` reads) into the
+    folder `out` in `format`: "vitlab", "hf", "timm" or "onnx". Returns the folder."""
+    if not isinstance(model, VisionTransformer):
+        from vitlab.interop.load import load_pretrained
+
+        model = load_pretrained(model)
+    check_expressible(model, format)
+    return _writers()[format](model, Path(out))
