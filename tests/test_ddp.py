@@ -293,7 +293,7 @@ def test_fsdp_recipe_builds_its_strategy(cifar_subset: Path, tmp_path: Path) -> 
     cli = ParseOnly(
         args=["--config", str(recipe), f"--data.init_args.root={data}", "--data.init_args.img_size=32",
               "--data.init_args.num_workers=0", "--model.arch=vit_tiny_patch16",
-              "--model.model_args.patch_size=8", "--model.model_args.representation_size=null"],
+              "--model.model_args={\"embed_dim\": 192, \"depth\": 2, \"num_heads\": 3, \"patch_size\": 8, \"drop_rate\": 0.1}"],
         run=False,
     )  # fmt: skip
     trainer = cli.config_init["trainer"]
