@@ -138,7 +138,7 @@ def run_callbacks(
     elif every_n_train_steps and not has(LastCheckpoint):
         log.warning(
             "the recipe's ModelCheckpoint writes last.ckpt, so checkpoint_every_n_steps=%d is not applied; "
-            "use vitlab.train.checkpointing.LastCheckpoint(every_n_train_steps=...) in its place",
+            "use vitlab.train.last_checkpoint.LastCheckpoint(every_n_train_steps=...) in its place",
             every_n_train_steps,
         )
     for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, ValidationFigures, FinetuneSource):
