@@ -82,6 +82,34 @@ def test_folder_split_layouts(cifar_subset: Path, tmp_path: Path, names: tuple[s
                        class_names=["airplane", "cat", "dog"])  # fmt: skip
 
 
+def test_folder_test_split_is_what_vitlab_test_scores(cifar_subset: Path, tmp_path: Path) -> None:
+    """root/test beside root/train: kept out of fit (val stays val/), scored by test_dataloader."""
+    classes = ["cat", "dog"]
+    root = make_tree(cifar_subset, tmp_path / "d", classes, 4, 2)
+    for c in classes:
+        link_files(cifar_subset / "val" / c, root / "test" / c, 3, offset=2)  # files val/ does not hold
+    dm = ImageFolderDataModule(str(root), **SMALL)
+    dm.setup("fit")
+    test_files = sorted(str(p) for p in (root / "test").rglob("*.png"))
+    assert len(test_files) == 6
+    assert sorted(p for p, _ in dm.test_dataset.samples) == test_files
+    assert not set(test_files) & {p for p, _ in dm.train_dataset.samples + dm.val_dataset.samples}
+    assert sorted(torch.cat([b[1] for b in dm.test_dataloader()]).tolist()) == [0, 0, 0, 1, 1, 1]
+    assert sorted(torch.cat([b[1] for b in dm.val_dataloader()]).tolist()) == [0, 0, 1, 1]
+
+    # Without a train folder, "test" is a class of the flat layout, not a split.
+    flat = tmp_path / "flat"
+    link_files(cifar_subset / "train" / "cat", flat / "test", 5)
+    link_files(cifar_subset / "train" / "ship", flat / "ship", 5)
+    fdm = ImageFolderDataModule(str(flat), val_fraction=0.2, **SMALL)
+    fdm.setup("fit")
+    assert fdm.class_names == ["ship", "test"] and fdm.test_dataset is None
+
+    link_files(cifar_subset / "val" / "ship", root / "test" / "ship", 1)
+    with pytest.raises(ValueError, match=r"test classes in .*test differ.*only in test: \['ship'\]"):
+        ImageFolderDataModule(str(root), **SMALL).setup("fit")
+
+
 def test_folder_flat_21k_heldout_is_deterministic(cifar_subset: Path, tmp_path: Path) -> None:
     root = make_tree(cifar_subset, tmp_path / "flat", ["bird", "frog", "ship"], 20, None, train="")
     splits = []
@@ -596,3 +624,39 @@ def test_equal_batch_sampler_splits_without_repeats_into_equal_counts() -> None:
     assert [len(b) for b in EqualBatchSampler(9, 2, 1, 4)] == [3, 1]  # 4 images in the 2 batches rank 0 runs
     with pytest.raises(ValueError, match="per-device batch of at least 2"):
         EqualBatchSampler(3, 2, 1, 1)
+
+
+def test_in_memory_loaders_use_the_distributed_samplers(cifar_shards: Path) -> None:
+    """In-memory shards on 2 ranks: under a collective-forward strategy (FSDP) every rank runs the same
+    number of validation batches and each held-out image is scored once; training takes the
+    (seed, epoch) DistributedSampler, disjoint between ranks, that a resumed rank replays exactly."""
+    from torch.utils.data import DistributedSampler
+
+    shard = str(cifar_shards / "cifar10-train-000000.tar.gz")
+    loaders = []
+    for rank in range(2):
+        # 247 held-out images, 41 per device: an unpadded split would give rank 0 4 batches, rank 1 3
+        dm = ShardDataModule(shard, val_fraction=0.05, in_memory=True, img_size=32, batch_size=82, num_workers=0,
+                             auto_augment=None, crop_pct=1.0)  # fmt: skip
+        dm.trainer = SimpleNamespace(world_size=2, global_rank=rank, strategy=object(), training=False)
+        dm.setup("fit")
+        loaders.append((dm, dm.val_dataloader(), dm.train_dataloader()))
+    n_val = len(loaders[0][0].val_dataset)
+    val_batches = [list(val) for _, val, _ in loaders]  # uint8, as decoded (normalised on the device later)
+    assert n_val == 247 and len(val_batches[0]) == len(val_batches[1]) == 4
+    seen = torch.cat([x for rank in val_batches for x, _ in rank])
+    assert seen.shape[0] == n_val  # every held-out image once over both ranks, none padded
+    whole = loaders[0][0].val_dataset
+    pixel_sums = lambda x: torch.sort(x.flatten(1).long().sum(1)).values  # noqa: E731
+    assert torch.equal(pixel_sums(seen), pixel_sums(whole.images))
+    samplers = [train.sampler for _, _, train in loaders]
+    assert all(isinstance(s, DistributedSampler) for s in samplers)
+    orders = [list(s) for s in samplers]
+    n_train = len(loaders[0][0].train_dataset)
+    assert len(orders[0]) == len(orders[1]) == math.ceil(n_train / 2)  # 4753 images: one repeated to pad
+    assert len(set(orders[0]) | set(orders[1])) == n_train and len(set(orders[0]) & set(orders[1])) <= 1
+    for s in samplers:
+        s.set_epoch(1)
+    assert [list(s) for s in samplers] != orders  # reshuffled per epoch, from (seed, epoch) alone
+    x, y = next(iter(loaders[0][2]))
+    assert x.dtype == torch.uint8 and x.shape == (41, 3, 32, 32) and y.shape == (41,)

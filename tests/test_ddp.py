@@ -253,7 +253,7 @@ def test_torchrun_script_launches_ddp(cifar_subset: Path, tmp_path: Path) -> Non
 
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists() and not shutil.which("torchrun"):
-        pytest.skip("torchrun not installed")
+        pytest.fail("torchrun not found: it comes with torch (reinstall torch in this environment)")
     data = make_data(cifar_subset, tmp_path / "data")
     probe = tmp_path / "probe"
     callbacks = [{"class_path": "cli_probe.RecordRankData", "init_args": {"out_dir": str(probe)}}]

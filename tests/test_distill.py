@@ -175,6 +175,48 @@ def test_vit_teacher_through_load_pretrained_with_its_own_input_size(tmp_path: P
     torch.testing.assert_close(module.teacher_logits(x), expect.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["vitlab", "timm"])
+def test_init_from_a_plain_vit_gives_the_student_a_copied_distillation_token(tmp_path: Path, source: str) -> None:
+    """A plain pretrained ViT -> distilled student: encoder kept, dist_token and its position copied
+    from the class token's, head_dist from head, so both heads agree before training."""
+    plain = VisionTransformer(img_size=32, num_classes=4, **{**STUDENT, "distilled": False}).eval()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(0, 0.1)  # zero-initialised heads would make the copies trivially equal
+    if source == "vitlab":
+        save_pretrained(plain, tmp_path / "plain")
+        path = tmp_path / "plain"
+    else:
+        peer = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                 num_heads=2, num_classes=4)  # fmt: skip
+        peer.load_state_dict(plain.state_dict())
+        path = tmp_path / "timm.pth"
+        torch.save(peer.state_dict(), path)
+    teacher = _cnn_teacher(tmp_path)
+    student = _student(teacher, init_from=str(path)).model.eval()
+    want = plain.state_dict()
+    got = student.state_dict()
+    assert torch.equal(got["dist_token"], want["cls_token"])
+    assert torch.equal(got["pos_embed"][:, 0], want["pos_embed"][:, 0])
+    assert torch.equal(got["pos_embed"][:, 1], want["pos_embed"][:, 0])
+    assert torch.equal(got["pos_embed"][:, 2:], want["pos_embed"][:, 1:])
+    assert torch.equal(got["head_dist.weight"], want["head.weight"])
+    for k, v in want.items():
+        if k != "pos_embed":
+            assert torch.equal(got[k], v), k
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        cls_logits, dist_logits = student.forward_distilled(x)
+    torch.testing.assert_close(cls_logits, dist_logits, atol=1e-6, rtol=0)  # the two tokens are one until trained
+    if source == "vitlab":
+        module = _student(teacher, init_from=str(path))
+        assert module.init_summary["tensors_new"].startswith("dist_token, head_dist.weight, head_dist.bias")
+    # At another resolution both prefix rows stay as they are; the grid is resampled.
+    bigger = _student(teacher, init_from=str(path), img_size=48).model
+    assert bigger.pos_embed.shape == (1, 2 + 36, 32)
+    assert torch.equal(bigger.pos_embed[:, :2], want["pos_embed"][:, :1].expand(1, 2, 32))
+
+
 def test_bad_teachers_and_students_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a distilled student"):
         _student(_cnn_teacher(tmp_path), model_args={**STUDENT, "distilled": False})

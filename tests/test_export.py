@@ -110,6 +110,47 @@ def test_timm_export_runs_in_timm(images, tmp_path, kw):
     assert pc["label_names"] == CLASSES
 
 
+@pytest.mark.parametrize(
+    ("arch", "kw", "timm_name"),
+    [
+        ("vit_tiny_r_s16_p8", {}, "vit_tiny_r_s16_p8_224"),  # the ResNet root alone, 8x8 projection
+        ("vit_small_r26_s32", {}, "vit_small_r26_s32_224"),  # R26, 1x1 projection
+        ("deit_tiny_distilled_patch16", {"patch_size": 8, "embed_dim": 192, "num_heads": 3},
+         "deit_tiny_distilled_patch16_224"),
+    ],
+)  # fmt: skip
+def test_timm_export_of_hybrids_and_distilled_models_runs_in_timm(images, tmp_path, arch, kw, timm_name):
+    model = vitlab.create_model(arch, **{**TINY, "img_size": 64, "patch_size": 32, **kw}).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # GroupNorm weights of 1, zero heads: random values expose mapping bugs
+            p.add_(torch.randn_like(p) * 0.05)
+    model.data_config.update(class_names=CLASSES, crop_pct=1.0)
+    x = torch.nn.functional.interpolate(images, size=(64, 64), mode="bilinear", align_corners=False)
+    out = export(model, "timm", tmp_path / "timm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architecture"] == timm_name
+    peer = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peer.forward_features(x), model.forward_features(x), atol=TOL, rtol=0)
+        if model.distilled:  # timm's DeiT class averages the two heads' logits
+            cls_logits, dist_logits = model.forward_distilled(x)
+            torch.testing.assert_close(peer(x), (cls_logits + dist_logits) / 2, atol=TOL, rtol=0)
+        else:
+            torch.testing.assert_close(peer(x), model(x), atol=TOL, rtol=0)
+        torch.testing.assert_close(vitlab.load_pretrained(out)(x), model(x), atol=TOL, rtol=0)  # and back
+
+
+def test_hybrids_timm_does_not_register_are_refused(tmp_path):
+    model = vitlab.create_model("vit_small_r26_s32", **{**TINY, "img_size": 64, "patch_size": 8}, stem_layers=[1])
+    with pytest.raises(ExportError, match=r"(?s)timm format cannot express.*stages \[1\].*timm's hybrids have "
+                                          r"root width 64.*export it as vitlab or onnx\b"):  # fmt: skip
+        export(model, "timm", tmp_path / "out")
+    with pytest.raises(ExportError, match=r"(?s)hf format cannot express.*stem='resnet'"):
+        export(vitlab.create_model("vit_tiny_r_s16_p8", **{**TINY, "img_size": 64, "patch_size": 32}), "hf",
+               tmp_path / "out")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 def test_onnx_export_runs_in_onnxruntime(images, tmp_path):
     import onnx
     import onnxruntime as ort

@@ -77,7 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 def make_fit_args(target: str, *variables: str) -> list[str]:
     """The `vitlab fit` arguments `make TARGET VARIABLES` would run (from `make -n`)."""
     if not shutil.which("make"):
-        pytest.skip("make is not installed")
+        pytest.fail("make is not installed: the Makefile targets are vitlab's documented commands (install make)")
     # As a fresh shell would: `make test` passes its own flags and level down to every child make.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     out = subprocess.run(

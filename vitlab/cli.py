@@ -148,7 +148,8 @@ def _data_args(path: str) -> list[str]:
 
 
 DATA_LAYOUTS = (
-    "give an image folder (train/<class>/*.jpg with val/<class>/*.jpg, or <class>/*.jpg), "
+    "give an image folder (train/<class>/*.jpg with val/<class>/*.jpg, and test/<class>/*.jpg for `vitlab test`; "
+    "or <class>/*.jpg), "
     "a folder of webdataset shards (*.tar / *.tar.gz holding KEY.jpg + KEY.cls, with classes.txt), "
     "a folder with train/ and val/ folders of such shards, or 'cifar10' / 'cifar100'"
 )

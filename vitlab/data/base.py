@@ -280,11 +280,14 @@ class ImageDataModule(L.LightningDataModule):
             isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
         )
 
-    def eval_loader(self, dataset: Dataset, collate_fn: Callable | None = None, num_workers: int = 0) -> DataLoader:
+    def eval_loader(
+        self, dataset: Dataset, collate_fn: Callable | None = None, num_workers: int = 0, pin_memory: bool = True
+    ) -> DataLoader:
         """The validation/test loader of a map-style dataset: every image once over all ranks, with
-        `EqualBatchSampler` when `equal_eval_batches`, else `eval_sampler`."""
+        `EqualBatchSampler` when `equal_eval_batches`, else `eval_sampler`. `pin_memory=False` turns
+        pinning off for data already on the device."""
         common: dict[str, Any] = {
-            "num_workers": num_workers, "pin_memory": self.pin_memory, "persistent_workers": num_workers > 0,
+            "num_workers": num_workers, "pin_memory": self.pin_memory and pin_memory, "persistent_workers": num_workers > 0,
             "worker_init_fn": WorkerInit(self.global_rank) if num_workers > 0 else None,
         }
         if not self.equal_eval_batches:

@@ -15,13 +15,15 @@ from vitlab.data.unlabelled import NO_LABELS_FIX, LabelsOption, unlabelled_sampl
 
 TRAIN_DIRS = ("train", "imagenet21k_train")
 VAL_DIRS = ("val", "validation", "imagenet21k_val")
+TEST_DIR = "test"
 
 
 def _layouts(root: Path) -> str:
     return (
         f"expected one of: {root}/train/<class>/*.jpg with {root}/val/<class>/*.jpg (ImageNet-1k); "
         f"{root}/<class>/*.jpg (ImageNet-21k, validation held out by file-name hash); "
-        f"{root}/imagenet21k_train/<class>/ with {root}/imagenet21k_val/<class>/"
+        f"{root}/imagenet21k_train/<class>/ with {root}/imagenet21k_val/<class>/; "
+        f"beside a train folder, {root}/test/<class>/ is the test split (`vitlab test`)"
     )
 
 
@@ -67,7 +69,9 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
     Layouts (checked in this order): `root/train` or `root/imagenet21k_train` for training, with
     `root/val`, `root/validation` or `root/imagenet21k_val` for validation; else `root` itself holds
     the class folders. Without a validation folder, `val_fraction` of each class is held out by
-    file-name hash (`val_fraction=0` disables validation). Images of any mode load as RGB.
+    file-name hash (`val_fraction=0` disables validation). Beside a train folder, `root/test` is a
+    test split: never used for model selection, evaluated by `vitlab test` (which otherwise
+    evaluates the validation data). Images of any mode load as RGB.
     `labels=False`: images at any depth of the train (and val) folder, class folders or not, label -1
     (self-supervised pretraining; see vitlab.data.unlabelled).
     """
@@ -80,10 +84,10 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.root = Path(root).expanduser()
         self.val_fraction = val_fraction
-        self._dirs: tuple[Path, Path | None] | None = None
+        self._dirs: tuple[Path, Path | None, Path | None] | None = None
 
-    def _layout(self) -> tuple[Path, Path | None]:
-        """(train folder, val folder or None)."""
+    def _layout(self) -> tuple[Path, Path | None, Path | None]:
+        """(train folder, val folder or None, test folder or None)."""
         if self._dirs is not None:
             return self._dirs
         root = self.root
@@ -92,6 +96,8 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             raise FileNotFoundError(f"image folder root {root} {what}; {_layouts(root)}")
         train = next((root / d for d in TRAIN_DIRS if (root / d).is_dir()), None)
         val = next((root / d for d in VAL_DIRS if (root / d).is_dir()), None)
+        # Only beside a train folder: in the flat layout, root/test would be a class named "test".
+        test = root / TEST_DIR if train is not None and (root / TEST_DIR).is_dir() else None
         if train is None:
             if val is not None:
                 raise FileNotFoundError(
@@ -100,15 +106,16 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             train = root
         if self.labels and not _class_dirs(train):
             raise FileNotFoundError(f"no class folders in {train}; {_layouts(root)}; {NO_LABELS_FIX}")
-        if self.labels and val is not None:
-            tr, va = set(_class_dirs(train)), set(_class_dirs(val))
-            if tr != va:
-                missing, extra = sorted(tr - va), sorted(va - tr)
-                raise ValueError(
-                    f"validation classes in {val} differ from training classes in {train}: "
-                    f"missing from val: {missing or 'none'}; only in val: {extra or 'none'}"
-                )
-        self._dirs = (train, val)
+        for split, folder in (("val", val), ("test", test)):
+            if self.labels and folder is not None:
+                tr, other = set(_class_dirs(train)), set(_class_dirs(folder))
+                if tr != other:
+                    missing, extra = sorted(tr - other), sorted(other - tr)
+                    raise ValueError(
+                        f"{split} classes in {folder} differ from training classes in {train}: "
+                        f"missing from {split}: {missing or 'none'}; only in {split}: {extra or 'none'}"
+                    )
+        self._dirs = (train, val, test)
         return self._dirs
 
     def _discover_class_names(self) -> list[str]:
@@ -131,10 +138,11 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
     def _setup_datasets(self, stage: str | None) -> None:
         if self.train_dataset is not None:
             return
-        train_dir, val_dir = self._layout()
-        samples = self._scan(train_dir, self.class_names) if self.labels else unlabelled_samples(train_dir)
+        train_dir, val_dir, test_dir = self._layout()
+        scan = (lambda d: self._scan(d, self.class_names)) if self.labels else unlabelled_samples
+        samples = scan(train_dir)
         if val_dir is not None:
-            val_samples = self._scan(val_dir, self.class_names) if self.labels else unlabelled_samples(val_dir)
+            val_samples = scan(val_dir)
         elif self.val_fraction > 0:
             samples, val_samples = held_out_split(samples, self.val_fraction, train_dir)
         else:
@@ -143,3 +151,5 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         self.val_dataset = (
             ImageFileDataset(val_samples, self.eval_transform(), self.skip_bad_images) if val_samples else None
         )
+        if test_dir is not None:
+            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), self.skip_bad_images)

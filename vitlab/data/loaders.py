@@ -102,7 +102,8 @@ class BatchedDataset(Dataset):
     def __getitem__(self, index: int | list[int]) -> Any:
         if isinstance(index, int):
             return self.dataset[index]
-        return self.collate_fn([self.dataset[i] for i in index])
+        getitems = getattr(self.dataset, "__getitems__", None)  # a batch in one read, as DataLoader does
+        return self.collate_fn(getitems(index) if getitems else [self.dataset[i] for i in index])
 
 
 def available_cpus() -> int:

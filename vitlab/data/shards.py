@@ -558,13 +558,16 @@ class ShardDataModule(LabelsOption, ImageDataModule):
 
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
         if isinstance(dataset, MemoryImages):
+            # The base class's samplers: equal evaluation batches where the forward is collective
+            # (FSDP), and a (seed, epoch) train order that a DDP rank resumes exactly.
             on_host = dataset.images.device.type == "cpu"
-            loader_cls = StatefulDataLoader if train else DataLoader
-            return loader_cls(
-                dataset, batch_size=self.per_device_batch_size, shuffle=train,
-                sampler=None if train else self.eval_sampler(dataset), num_workers=0,
-                pin_memory=self.pin_memory and on_host, collate_fn=batch_collate,
-                generator=torch.Generator().manual_seed(self.seed) if train else None,
+            if not train:
+                return self.eval_loader(dataset, collate_fn=batch_collate, pin_memory=on_host)
+            sampler = self.train_sampler(dataset)
+            return StatefulDataLoader(
+                dataset, batch_size=self.per_device_batch_size, shuffle=sampler is None, sampler=sampler,
+                num_workers=0, pin_memory=self.pin_memory and on_host, collate_fn=batch_collate,
+                generator=torch.Generator().manual_seed(self.seed),
             )  # fmt: skip
         return self._stream_loader(dataset, train, dataset.batch_size)
 

@@ -8,6 +8,7 @@ model and loads it strictly.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,7 @@ TIMM_RESAMPLE: dict[str, Any] = {"mode": "bicubic", "antialias": True, "align_co
 _HEADS_BY_DIM = {dim: heads for dim, _, heads, _ in VARIANTS.values()} | {1152: 16, 1408: 16, 1664: 16}
 
 MAX_LISTED = 12
+log = logging.getLogger(__name__)
 
 
 def default_num_heads(embed_dim: int) -> int | None:
@@ -277,6 +279,22 @@ def _resnet_stem(sd: Mapping[str, torch.Tensor], err: Any) -> tuple[int, int, in
     return proj.shape[0], in_chans, patch, dict(stem="resnet", stem_layers=layers, stem_channels=int(width))
 
 
+def add_distillation_token(conv: Converted) -> None:
+    """A plain class-token ViT -> a distilled (DeiT) one: the distillation token and its position
+    embedding start as copies of the class token's, the distillation head as a copy of the class
+    head. Both heads then predict alike at the first step, and the distillation loss trains them
+    apart: a pretrained encoder becomes a distilled student without a random token in it."""
+    sd = conv.state_dict
+    pos = sd["pos_embed"]
+    conv.put("dist_token", sd["cls_token"].clone(), "cls_token (copied)")
+    conv.put("pos_embed", torch.cat([pos[:, :1], pos[:, :1], pos[:, 1:]], dim=1), "pos_embed (class row repeated)")
+    for part in ("weight", "bias"):
+        if f"head.{part}" in sd:
+            conv.put(f"head_dist.{part}", sd[f"head.{part}"].clone(), f"head.{part} (copied)")
+    log.info("%s: a plain ViT made distilled: dist_token, its position and head_dist copied from the class "
+             "token's", conv.path or conv.format)  # fmt: skip
+
+
 def _check_fit(model: VisionTransformer, conv: Converted) -> None:
     expected = model.state_dict()
     sd = conv.state_dict
@@ -313,7 +331,11 @@ def build_model(conv: Converted, config: Mapping[str, Any]) -> VisionTransformer
     """Infer (or take the stored) config, build the model without initialising it, and load strictly.
 
     `config`: the caller's constructor arguments, which win over the file's and the inferred ones.
+    `distilled=True` over a plain ViT gives it a distillation token (`add_distillation_token`).
     """
+    if config.get("distilled") and "dist_token" not in conv.state_dict and "cls_token" in conv.state_dict:
+        add_distillation_token(conv)
+        conv.config["distilled"] = True
     if conv.complete:
         cfg = {**conv.config, **config}
     else:

@@ -32,15 +32,23 @@ def _options(config: Mapping[str, Any]) -> list[tuple[str, frozenset[str]]]:
         if used:
             found.append((option, formats))
 
-    need(config.get("stem", "patch") != "patch", f"stem={config.get('stem')!r} (a tokenizer other than patches)",
-         _TRACED)  # fmt: skip
+    stem = config.get("stem", "patch")
+    need(stem in ("conv", "spt"), f"stem={stem!r} (a tokenizer other than patches)", _TRACED)
+    if stem == "resnet":  # timm registers a few hybrids; HF none
+        from vitlab.interop.timm import TIMM_HYBRIDS, hybrid_layers, timm_hybrid
+
+        known = timm_hybrid(config) is not None
+        shown = f"stem='resnet' (a ResNet hybrid, stages {list(hybrid_layers(config))}, root width " \
+                f"{config.get('stem_channels', 64)})" + ("" if known else f"; timm's hybrids have root width 64 and "
+                f"stages {' or '.join(str(list(k)) for k in TIMM_HYBRIDS)}")  # fmt: skip
+        need(True, shown, _TRACED | ({"timm"} if known else set()))
     need(config.get("pool") == "seq", "pool='seq' (sequence pooling)", _TRACED)
     need(config.get("pool") == "avg", "pool='avg' (average pooling)", _TRACED | {"timm"})
     need(not config.get("class_token", True), "class_token=False", _TRACED | {"timm"})
     need(bool(config.get("lsa")), "lsa=True (locality self-attention)", _TRACED)
     need(config.get("pos_embed", "learn") == "sincos", "pos_embed='sincos' (fixed 2D sin-cos)", _TRACED)
     need(bool(config.get("representation_size")), "representation_size (a pre-logits layer)", _TRACED)
-    need(bool(config.get("distilled")), "distilled=True (a distillation token and head)", _TRACED)
+    need(bool(config.get("distilled")), "distilled=True (a distillation token and head)", _TRACED | {"timm"})
     need(config.get("num_classes", 1) <= 0, "num_classes=0 (no classification head)", _ALL - {"hf"})
     need(config.get("norm_eps", 1e-6) != 1e-6, f"norm_eps={config.get('norm_eps')} (timm's ViT fixes 1e-6)",
          _ALL - {"timm"})  # fmt: skip

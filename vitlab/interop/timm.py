@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, Source, strip_prefix
+from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "timm"
@@ -92,6 +93,23 @@ def _linear_patch_to_conv(w: torch.Tensor, in_chans: int, src: Source) -> torch.
 # A registered timm name per width, for readability; `model_args` in config.json set every size.
 _ARCHITECTURES = {192: "vit_tiny_patch16_224", 384: "vit_small_patch16_224", 768: "vit_base_patch16_224",
                   1024: "vit_large_patch16_224", 1280: "vit_huge_patch14_224"}  # fmt: skip
+# DeiT's distilled models are their own timm class (VisionTransformerDistilled): its names, per width.
+_DISTILLED = {192: "deit_tiny_distilled_patch16_224", 384: "deit_small_distilled_patch16_224",
+              768: "deit_base_distilled_patch16_224"}  # fmt: skip
+# timm builds a hybrid's ResNet inside its registered function (root width 64): one name per stage
+# depths; `model_args` then set the transformer's sizes and `patch_size` the projection kernel.
+TIMM_HYBRIDS = {(): "vit_tiny_r_s16_p8_224", (2, 2, 2, 2): "vit_small_r26_s32_224",
+                (3, 4, 9): "vit_base_r50_s16_224", (3, 4, 6, 3): "vit_large_r50_s32_224"}  # fmt: skip
+
+
+def hybrid_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
+    layers = config.get("stem_layers")
+    return (3, 4, 9) if layers is None else tuple(layers)  # () is the root alone, not the default
+
+
+def timm_hybrid(config: Mapping[str, Any]) -> str | None:
+    """timm's name for the hybrid `config` describes, or None where timm registers no such ResNet."""
+    return TIMM_HYBRIDS.get(hybrid_layers(config)) if config.get("stem_channels", 64) == 64 else None
 
 
 def timm_config(model: VisionTransformer) -> dict[str, Any]:
@@ -103,14 +121,23 @@ def timm_config(model: VisionTransformer) -> dict[str, Any]:
         "embed_dim": c["embed_dim"], "depth": c["depth"], "num_heads": c["num_heads"], "mlp_ratio": c["mlp_ratio"],
         "qkv_bias": c["qkv_bias"], "class_token": c["class_token"], "global_pool": c["pool"],
     }  # fmt: skip
+    architecture = _ARCHITECTURES.get(c["embed_dim"], "vit_base_patch16_224")
+    first_conv = "patch_embed.proj"
+    if c.get("stem") == "resnet":
+        architecture, layers = timm_hybrid(c), hybrid_layers(c)
+        model_args["patch_size"] = c["patch_size"] // resnet_stride(len(layers))  # the projection's kernel
+        first_conv = "patch_embed.backbone.stem.conv" if layers else "patch_embed.backbone.conv"
+    if c.get("distilled"):
+        architecture = _DISTILLED.get(c["embed_dim"], "deit_base_distilled_patch16_224")
+        del model_args["class_token"]  # the distilled class has both prefix tokens
     pretrained_cfg = {
         "input_size": [c["in_chans"], h, w], "fixed_input_size": True, "mean": list(d["mean"]),
         "std": list(d["std"]), "crop_pct": float(d.get("crop_pct") or 1.0), "crop_mode": "center",
         "interpolation": str(d.get("interpolation") or "bicubic"), "num_classes": c["num_classes"],
-        "first_conv": "patch_embed.proj", "classifier": "head",
+        "first_conv": first_conv, "classifier": ["head", "head_dist"] if c.get("distilled") else "head",
     }  # fmt: skip
     config: dict[str, Any] = {
-        "architecture": _ARCHITECTURES.get(c["embed_dim"], "vit_base_patch16_224"),
+        "architecture": architecture,
         "num_classes": c["num_classes"], "num_features": c["embed_dim"], "global_pool": c["pool"],
         "model_args": model_args, "pretrained_cfg": pretrained_cfg,
     }  # fmt: skip
@@ -125,6 +152,9 @@ def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
     Loads with `timm.create_model("local-dir:<folder>", pretrained=True)`, or with
     `timm.create_model(architecture, pretrained=True, pretrained_cfg_overlay=dict(pretrained_cfg,
     file=<folder>/model.safetensors), **model_args)` (the overlay's `num_classes` keeps the head).
+    A distilled model loads as timm's `VisionTransformerDistilled`, which predicts with the mean of
+    the two heads' logits where vitlab averages their softmax outputs (DeiT's rule): the same weights
+    and the same two heads' logits, but where the heads disagree the two rules can rank differently.
     """
     from safetensors.torch import save_file
 

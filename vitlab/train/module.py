@@ -171,13 +171,15 @@ class ViTClassifier(L.LightningModule):
 
         source = _peek_source_config(path)
         config = dict(args)  # a new input size or class count resamples / replaces, the rest builds the model
+        expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
+        if expected.get("distilled"):  # a plain ViT source gets a distillation token copied from its class token
+            config["distilled"] = True
         model = load_pretrained(
             path, img_size=config.pop("img_size", None), num_classes=config.pop("num_classes", None), config=config
         )
         if not isinstance(model, VisionTransformer):
             raise TypeError(f"load_pretrained returned {type(model).__name__}, expected a VisionTransformer")
         # `arch` still names the size: a mismatch is almost always a wrong path or a wrong arch.
-        expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
         for key in ("embed_dim", "depth", "num_heads"):
             if model.config[key] != expected[key]:
                 raise ValueError(
@@ -195,6 +197,9 @@ class ViTClassifier(L.LightningModule):
         }
         head = " (new zero-initialised head, pre-logits dropped)" if old_classes != new_classes else ""
         new = [k for k in model.state_dict() if k.startswith(("head.", "head_dist."))] if head else []
+        if model.distilled and source is not None and not source.get("distilled"):
+            # copies of the class token and head (interop.architecture.add_distillation_token)
+            new = ["dist_token", *(k for k in model.state_dict() if k.startswith("head_dist.") and k not in new), *new]
         kept = [k for k in model.state_dict() if k not in new]
         dropped = _dropped_tensors(path, kept)
         listed = (", ".join(dropped) or "none") if dropped is not None else "not listed for this format"
