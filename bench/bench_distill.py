@@ -14,6 +14,13 @@ by `trainer.validate` on the held-out part (`val_fraction` of the train split, b
 
     python bench/bench_distill.py --data ../shared/data/imagenette-128-shards/train          # full budget
     python bench/bench_distill.py --data ../shared/data/imagenette-128-shards/train --quick  # 1 short epoch each
+
+Each finished row is saved as OUT/rows/<row>.json and the table is made of every row there, so the
+two students can run as two processes on two cores once the teacher exists:
+
+    python bench/bench_distill.py --data D --students none                       # the teacher alone
+    python bench/bench_distill.py --data D --teacher OUT/teacher.pth --students plain &
+    python bench/bench_distill.py --data D --teacher OUT/teacher.pth --students distilled
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help="student epochs (default: the recipe's)")
     parser.add_argument("--teacher-epochs", type=int, default=30)
     parser.add_argument("--teacher", default=None, help="use this teacher state dict instead of training one")
+    parser.add_argument("--students", choices=["both", "plain", "distilled", "none"], default="both",
+                        help="which students to train (rows of other processes are read from OUT/rows)")
     parser.add_argument("--quick", action="store_true", help="1 epoch of 3 batches each: checks the pipeline only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -130,20 +139,32 @@ def main(argv: list[str] | None = None) -> int:
 
     plain_keys = inspect.signature(ViTClassifier.__init__).parameters
     student = {k: v for k, v in model_args.items() if k in plain_keys}
-    L.seed_everything(args.seed, verbose=False)
-    plain_args = {**student, "model_args": {**student.get("model_args", {}), "distilled": False}}
-    rows.append(run("student, no distillation", ViTClassifier(**plain_args, **common), data, epochs, args.quick))
+    if args.students in ("both", "plain"):
+        L.seed_everything(args.seed, verbose=False)
+        plain_args = {**student, "model_args": {**student.get("model_args", {}), "distilled": False}}
+        rows.append(run("student, no distillation", ViTClassifier(**plain_args, **common), data, epochs, args.quick))
+    if args.students in ("both", "distilled"):
+        L.seed_everything(args.seed, verbose=False)
+        distill_args = {**model_args, "teacher": str(teacher_path), "teacher_arch": teacher_arch}
+        distilled = DistillClassifier(**distill_args, **common)
+        rows.append(run("student, hard distillation", distilled, data, epochs, args.quick))
 
-    L.seed_everything(args.seed, verbose=False)
-    distill_args = {**model_args, "teacher": str(teacher_path), "teacher_arch": teacher_arch}
-    distilled = DistillClassifier(**distill_args, **common)
-    rows.append(run("student, hard distillation", distilled, data, epochs, args.quick))
-
-    gain = 100 * (rows[-1]["val_acc1"] - rows[-2]["val_acc1"])
+    saved = out / "rows"
+    saved.mkdir(exist_ok=True)
+    for r in rows:
+        (saved / f"{r['name'].replace(' ', '_').replace(',', '')}.json").write_text(json.dumps({**r, "quick": args.quick}))
+    rows = [json.loads(f.read_text()) for f in sorted(saved.glob("*.json"))]
+    order = {"teacher": 0, "student, no distillation": 1, "student, hard distillation": 2}
+    rows.sort(key=lambda r: order.get(r["name"], order["teacher"] if r["name"].startswith("teacher") else 3))
     print("\n| model | val top-1 | epochs | train s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {100 * r['val_acc1']:.2f}% | {r['epochs']} | {r['train_wall_s']:.0f} |")
-    print(f"distillation: {gain:+.2f} points (target +2.00){'  [quick run: not a measurement]' if args.quick else ''}")
+    by_name = {r["name"]: r for r in rows}
+    gain = None
+    if {"student, no distillation", "student, hard distillation"} <= set(by_name):
+        gain = 100 * (by_name["student, hard distillation"]["val_acc1"] - by_name["student, no distillation"]["val_acc1"])
+        quick = any(r.get("quick") for r in rows)
+        print(f"distillation: {gain:+.2f} points (target +2.00){'  [quick run: not a measurement]' if quick else ''}")
     (out / "results.json").write_text(json.dumps({"rows": rows, "gain_points": gain, "quick": args.quick}, indent=2))
     return 0
 

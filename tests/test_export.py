@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoImageProcessor, ViTConfig, ViTForImageClassification
 
 import vitlab
+from helpers import perturb
 from vitlab.cli import main
 from vitlab.interop import ExportError, export
 
@@ -120,10 +121,7 @@ def test_timm_export_runs_in_timm(images, tmp_path, kw):
     ],
 )  # fmt: skip
 def test_timm_export_of_hybrids_and_distilled_models_runs_in_timm(images, tmp_path, arch, kw, timm_name):
-    model = vitlab.create_model(arch, **{**TINY, "img_size": 64, "patch_size": 32, **kw}).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # GroupNorm weights of 1, zero heads: random values expose mapping bugs
-            p.add_(torch.randn_like(p) * 0.05)
+    model = perturb(vitlab.create_model(arch, **{**TINY, "img_size": 64, "patch_size": 32, **kw}), std=0.05)
     model.data_config.update(class_names=CLASSES, crop_pct=1.0)
     x = torch.nn.functional.interpolate(images, size=(64, 64), mode="bilinear", align_corners=False)
     out = export(model, "timm", tmp_path / "timm")

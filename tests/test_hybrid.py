@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import perturb
 from vitlab import create_model
 from vitlab.models.resnet import StdConv2dSame, pad_same
 
@@ -15,14 +16,6 @@ from timm.models.vision_transformer_hybrid import checkpoint_filter_fn  # noqa: 
 TOL = 1e-4
 
 
-def _perturb(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
-    """Random values everywhere: GroupNorm and biases start at 1/0 and would hide mapping bugs."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return model.eval()
-
-
 @torch.no_grad()
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> float:
     return (a(x) - b(x)).abs().max().item()
@@ -30,7 +23,7 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> float:
 
 def test_r50_hybrid_matches_timm_at_224_and_after_resize_to_384() -> None:
     # The whole R50 stem; two transformer blocks keep it cheap (the blocks have their own parity tests).
-    peer = _perturb(timm.create_model("vit_base_r50_s16_224", num_classes=10, depth=2))
+    peer = perturb(timm.create_model("vit_base_r50_s16_224", num_classes=10, depth=2))
     model = create_model("vit_base_r50_s16", num_classes=10, img_size=224, depth=2).eval()
     model.load_state_dict(peer.state_dict(), strict=True)  # timm's names, nothing left over
     assert model.patch_embed.grid_size == (14, 14) and model.pos_embed.shape == (1, 1 + 14 * 14, 768)
@@ -47,7 +40,7 @@ def test_r50_hybrid_matches_timm_at_224_and_after_resize_to_384() -> None:
 
 def test_root_only_hybrid_with_8x8_projection_matches_timm() -> None:
     # R+ViT-Ti/16: the ResNet root alone (stride 4), then an 8x8 projection: total stride 32.
-    peer = _perturb(timm.create_model("vit_tiny_r_s16_p8_224", num_classes=7, depth=2))
+    peer = perturb(timm.create_model("vit_tiny_r_s16_p8_224", num_classes=7, depth=2))
     model = create_model("vit_tiny_r_s16_p8", num_classes=7, img_size=224, depth=2).eval()
     model.load_state_dict(peer.state_dict(), strict=True)
     assert model.patch_embed.grid_size == (7, 7) and model.patch_embed.proj.kernel_size == (8, 8)
@@ -107,7 +100,7 @@ def test_google_hybrid_npz_loads_as_timm_reads_it(name: str, tmp_path) -> None:
 
     from vitlab import load_pretrained
 
-    src = _perturb(timm.create_model(name, num_classes=5, depth=2)).eval()
+    src = perturb(timm.create_model(name, num_classes=5, depth=2)).eval()
     sd = {k: v.detach().numpy() for k, v in src.state_dict().items()}
     conv = lambda k: sd[k].transpose(2, 3, 1, 0)  # noqa: E731 - OIHW -> HWIO
     arrays = dict(timm_to_npz(src))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import perturb
 from vitlab.interop import load_pretrained
 from vitlab.models.resize import resample_pos_embed
 
@@ -22,14 +23,6 @@ from timm.models.vision_transformer import _load_weights, checkpoint_filter_fn  
 from timm.models.vision_transformer_hybrid import checkpoint_filter_fn as hybrid_filter_fn  # noqa: E402
 
 TOL = 1e-4
-
-
-def _perturb(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
-    """Random values everywhere: peers init biases / heads to zero, which would hide mapping bugs."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return model.eval()
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,7 +56,7 @@ def _save(sd: dict[str, torch.Tensor], path: Path) -> Path:
     ],
 )
 def test_timm_logits(name: str, suffixes: tuple[str, ...], tmp_path: Path) -> None:
-    peer = _perturb(timm.create_model(name, pretrained=False))
+    peer = perturb(timm.create_model(name, pretrained=False))
     x = torch.randn(1, 3, 224, 224)
     ref = _logits(peer, x)
     for suffix in suffixes:
@@ -80,7 +73,7 @@ def _timm_tiny(**kw: object) -> torch.nn.Module:
 
 def test_timm_wrapped_linear_patch_gap_and_no_qkv_bias(tmp_path: Path) -> None:
     # GAP with fc_norm, no qkv bias, old linear patch embedding, inside a training checkpoint.
-    peer = _perturb(_timm_tiny(global_pool="avg", class_token=False, qkv_bias=False))
+    peer = perturb(_timm_tiny(global_pool="avg", class_token=False, qkv_bias=False))
     sd = dict(peer.state_dict())
     sd["patch_embed.proj.weight"] = sd["patch_embed.proj.weight"].flatten(1)
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "ckpt.pth.tar")
@@ -92,7 +85,7 @@ def test_timm_wrapped_linear_patch_gap_and_no_qkv_bias(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("img_size", [384, (384, 256)])
 def test_timm_resolution_change(img_size: int | tuple[int, int], tmp_path: Path) -> None:
-    src = _perturb(timm.create_model("vit_tiny_patch16_224", pretrained=False))
+    src = perturb(timm.create_model("vit_tiny_patch16_224", pretrained=False))
     path = _save(src.state_dict(), tmp_path / "w.safetensors")
     peer = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=img_size).eval()
     peer.load_state_dict(checkpoint_filter_fn(src.state_dict(), peer))
@@ -153,7 +146,7 @@ def _to_old_layout(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def test_hf_classification_both_layouts(tmp_path: Path) -> None:
     names = ["ant", "bee", "cat", "dog", "eel"]
-    peer = _perturb(transformers.ViTForImageClassification(_hf_config(id2label=dict(enumerate(names)))))
+    peer = perturb(transformers.ViTForImageClassification(_hf_config(id2label=dict(enumerate(names)))))
     x = torch.randn(2, 3, 32, 32)
     ref = _logits(peer, x)
     new = dict(peer.state_dict())
@@ -177,7 +170,7 @@ def test_hf_classification_both_layouts(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["new", "old"])
 def test_hf_vitmodel_pooler_without_prefix(layout: str, tmp_path: Path) -> None:
-    peer = _perturb(transformers.ViTModel(_hf_config(qkv_bias=False, pooler_output_size=48)))
+    peer = perturb(transformers.ViTModel(_hf_config(qkv_bias=False, pooler_output_size=48)))
     sd = dict(peer.state_dict())
     assert not any(k.startswith("vit.") for k in sd)
     sd = _to_old_layout(sd) if layout == "old" else sd
@@ -191,7 +184,7 @@ def test_hf_vitmodel_pooler_without_prefix(layout: str, tmp_path: Path) -> None:
 
 
 def test_hf_family_resample_matches_interpolate_pos_encoding(tmp_path: Path) -> None:
-    peer = _perturb(transformers.ViTForImageClassification(_hf_config()))
+    peer = perturb(transformers.ViTForImageClassification(_hf_config()))
     peer.save_pretrained(tmp_path / "hf")
     model = load_pretrained(tmp_path / "hf", img_size=48, resample="family")
     x = torch.randn(1, 3, 48, 48)
@@ -204,7 +197,7 @@ def test_hf_family_resample_matches_interpolate_pos_encoding(tmp_path: Path) -> 
 
 
 def test_torchvision_vit_b_32(tmp_path: Path) -> None:
-    peer = _perturb(torchvision.models.vit_b_32(weights=None))
+    peer = perturb(torchvision.models.vit_b_32(weights=None))
     x = torch.randn(1, 3, 224, 224)
     ref = _logits(peer, x)
     model = load_pretrained(_save(peer.state_dict(), tmp_path / "vit_b_32.pth"))
@@ -221,7 +214,7 @@ def _tv_small(image_size: int = 32) -> torch.nn.Module:
 
 
 def test_torchvision_old_mlp_names_pre_logits_and_family_resample(tmp_path: Path) -> None:
-    peer = _perturb(_tv_small())
+    peer = perturb(_tv_small())
     sd = {k.replace("mlp.0.", "mlp.linear_1.").replace("mlp.3.", "mlp.linear_2."): v
           for k, v in peer.state_dict().items()}  # fmt: skip
     assert any("mlp.linear_1" in k for k in sd)
@@ -293,7 +286,7 @@ def timm_to_npz(model: torch.nn.Module, big_vision: bool = False, stacked: bool 
 
 @pytest.mark.parametrize("big_vision,stacked", [(False, False), (True, True), (True, False)])
 def test_npz_logits_against_timm_loader(big_vision: bool, stacked: bool, tmp_path: Path) -> None:
-    src = _perturb(_timm_tiny())
+    src = perturb(_timm_tiny())
     path = tmp_path / "vit.npz"
     np.savez(path, **timm_to_npz(src, big_vision=big_vision, stacked=stacked))
     peer = _timm_tiny().eval()
@@ -308,7 +301,7 @@ def test_npz_logits_against_timm_loader(big_vision: bool, stacked: bool, tmp_pat
 
 
 def test_npz_family_resample_matches_timm(tmp_path: Path) -> None:
-    src = _perturb(_timm_tiny())
+    src = perturb(_timm_tiny())
     path = tmp_path / "vit.npz"
     np.savez(path, **timm_to_npz(src))
     peer = _timm_tiny(img_size=48).eval()
@@ -320,7 +313,7 @@ def test_npz_family_resample_matches_timm(tmp_path: Path) -> None:
 
 def test_big_vision_npz_without_class_token_slot(tmp_path: Path) -> None:
     # big_vision adds the position embedding before appending the class token
-    src = _perturb(_timm_tiny())
+    src = perturb(_timm_tiny())
     with torch.no_grad():
         src.pos_embed[:, 0] = 0
     path = tmp_path / "bv.npz"
@@ -333,7 +326,7 @@ def test_big_vision_npz_without_class_token_slot(tmp_path: Path) -> None:
 def test_npz_pre_logits_and_bfloat16(tmp_path: Path) -> None:
     import vitlab
 
-    ref = _perturb(vitlab.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4,
+    ref = perturb(vitlab.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4,
                                             num_classes=5, representation_size=24))  # fmt: skip
     arrays = timm_to_npz(ref)
     arrays["pre_logits/kernel"] = _n(ref.pre_logits.fc.weight.T)
@@ -357,7 +350,7 @@ def test_npz_pre_logits_and_bfloat16(tmp_path: Path) -> None:
 def test_timm_r50_hybrid_loads_through_load_pretrained(tmp_path: Path) -> None:
     # timm's vit_base_r50_s16 layout (two transformer blocks keep it cheap): stem, stages, grid inferred;
     # the resize to 384 is tests/test_hybrid.py's.
-    peer = _perturb(timm.create_model("vit_base_r50_s16_224", num_classes=10, depth=2))
+    peer = perturb(timm.create_model("vit_base_r50_s16_224", num_classes=10, depth=2))
     model = load_pretrained(_save(peer.state_dict(), tmp_path / "r50.safetensors"))
     c = model.config
     assert (c["stem"], c["stem_layers"], c["stem_channels"], c["patch_size"]) == ("resnet", [3, 4, 9], 64, 16)
@@ -368,7 +361,7 @@ def test_timm_r50_hybrid_loads_through_load_pretrained(tmp_path: Path) -> None:
 
 
 def test_timm_root_only_hybrid_resized_on_the_feature_map_grid(tmp_path: Path) -> None:
-    src = _perturb(timm.create_model("vit_tiny_r_s16_p8_224", num_classes=5, depth=2))
+    src = perturb(timm.create_model("vit_tiny_r_s16_p8_224", num_classes=5, depth=2))
     path = _save(src.state_dict(), tmp_path / "r_ti.pth")
     peer = timm.create_model("vit_tiny_r_s16_p8_224", num_classes=5, depth=2, img_size=384).eval()
     peer.load_state_dict(hybrid_filter_fn(src.state_dict(), peer))
@@ -380,7 +373,7 @@ def test_timm_root_only_hybrid_resized_on_the_feature_map_grid(tmp_path: Path) -
 
 
 def test_timm_distilled_deit_two_prefix_tokens(tmp_path: Path) -> None:
-    src = _perturb(timm.create_model("deit_tiny_distilled_patch16_224", num_classes=5, depth=2))
+    src = perturb(timm.create_model("deit_tiny_distilled_patch16_224", num_classes=5, depth=2))
     path = _save(src.state_dict(), tmp_path / "deit.safetensors")
     model = load_pretrained(path)
     assert model.distilled and model.num_prefix_tokens == 2 and model.config["img_size"] == [224, 224]
