@@ -18,7 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.models import VisionTransformer, create_model
@@ -76,6 +76,21 @@ def _dropped_tensors(path: str, kept: list[str]) -> list[str] | None:
         return None
     taken = {f"model.{k}" for k in kept}
     return sorted(k.removeprefix("model.") for k in names if k not in taken)
+
+
+def log_training_step(
+    module: L.LightningModule, loss: torch.Tensor, acc: torch.Tensor, loss_mean: Metric, acc_mean: Metric, n: int
+) -> None:
+    """The training logs every vitlab module writes: loss and acc1 per step under their plain names
+    (on_step + on_epoch would rename them `_step`/`_epoch`), their epoch means from the metric
+    objects (which torchmetrics reduces across ranks), and the learning rate."""
+    module.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=n)
+    module.log("train/acc1", acc, on_step=True, on_epoch=False, batch_size=n)
+    module.log("train/loss_epoch", loss_mean, on_step=False, on_epoch=True, batch_size=n)
+    module.log("train/acc1_epoch", acc_mean, on_step=False, on_epoch=True, batch_size=n)
+    if module._trainer is not None and module.trainer.optimizers:
+        lr = max(g["lr"] for g in module.trainer.optimizers[0].param_groups)
+        module.log("lr", lr, on_step=True, on_epoch=False, batch_size=n)
 
 
 class ViTClassifier(L.LightningModule):
@@ -246,17 +261,9 @@ class ViTClassifier(L.LightningModule):
         n = x.shape[0]
         for name, value in extra.items():
             self.log(f"train/{name}", value.detach(), on_step=True, on_epoch=False, batch_size=n)
-        # Per-step values under the plain names (on_step + on_epoch would rename them `_step`/`_epoch`);
-        # the epoch means come from the metric objects, which torchmetrics reduces across ranks.
         acc1 = self.train_acc1(logits.detach(), hard)
         self.train_loss.update(loss.detach(), n)
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=n)
-        self.log("train/acc1", acc1, on_step=True, on_epoch=False, batch_size=n)
-        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True, batch_size=n)
-        self.log("train/acc1_epoch", self.train_acc1, on_step=False, on_epoch=True, batch_size=n)
-        if self._trainer is not None and self.trainer.optimizers:
-            lr = max(g["lr"] for g in self.trainer.optimizers[0].param_groups)
-            self.log("lr", lr, on_step=True, on_epoch=False, batch_size=n)
+        log_training_step(self, loss, acc1, self.train_loss, self.train_acc1, n)
         return loss
 
     def _eval_step(self, batch: Any, stage: str) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torchmetrics import MeanMetric
 from vitlab.analysis.plots import new_figure
 from vitlab.models import VisionTransformer, create_model
 from vitlab.train.figures import ValidationFigures, denormalize
+from vitlab.train.module import log_training_step
 from vitlab.train.optim import param_groups
 from vitlab.train.schedule import lightning_schedule
 
@@ -317,14 +318,7 @@ class MaskedPatchPretraining(L.LightningModule):
         loss, acc, n, _, _ = self.objective(x)
         self.train_loss.update(loss.detach(), n)
         self.train_acc.update(acc, n)
-        b = x.shape[0]
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=b)
-        self.log("train/acc1", acc, on_step=True, on_epoch=False, batch_size=b)
-        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True, batch_size=b)
-        self.log("train/acc1_epoch", self.train_acc, on_step=False, on_epoch=True, batch_size=b)
-        if self._trainer is not None and self.trainer.optimizers:
-            lr = max(g["lr"] for g in self.trainer.optimizers[0].param_groups)
-            self.log("lr", lr, on_step=True, on_epoch=False, batch_size=b)
+        log_training_step(self, loss, acc, self.train_loss, self.train_acc, x.shape[0])
         return loss
 
     def _eval_step(self, batch: Any, batch_idx: int, stage: str) -> None:
