@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default=str(RECIPE))
     parser.add_argument("--out", default="runs/bench_distill", help="teacher.pth and results.json go here")
     parser.add_argument("--epochs", type=int, default=None, help="student epochs (default: the recipe's)")
-    parser.add_argument("--teacher-epochs", type=int, default=30)
+    parser.add_argument("--teacher-epochs", type=int, default=12)
     parser.add_argument("--teacher", default=None, help="use this teacher state dict instead of training one")
     parser.add_argument("--students", choices=["both", "plain", "distilled", "none"], default="both",
                         help="which students to train (rows of other processes are read from OUT/rows)")
