@@ -52,11 +52,16 @@ def run_cli(
         except subprocess.TimeoutExpired:
             rc, seconds, stragglers = HUNG, time.monotonic() - start, True
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the session we started, nothing else
-            except ProcessLookupError:
-                pass
+            kill_session(proc)
     return rc, log_path.read_text(), seconds, stragglers
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the session `proc` leads (its ranks and workers), nothing else; gone already is fine."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _session_alive(sid: int) -> bool:

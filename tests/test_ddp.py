@@ -28,7 +28,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from cli_probe import HUNG, csv_rows, last_value, run_cli
+from cli_probe import HUNG, csv_rows, kill_session, last_value, run_cli
 from lightning.pytorch.callbacks import Callback
 
 from vitlab.cli import VitlabCLI, main
@@ -354,10 +354,7 @@ def signal_ddp_job(
                 time.sleep(0.2)
             straggler = _alive(rank1)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the session we started, nothing else
-            except ProcessLookupError:
-                pass
+            kill_session(proc)
     return rc, log_path.read_text(), seconds, straggler
 
 
