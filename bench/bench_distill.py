@@ -6,8 +6,9 @@ split, augmentation, optimiser). Target: +2 points of validation top-1.
    saved as a state dict (OUT/teacher.pth, what the recipe's `teacher` names).
 2. The student without distillation: the recipe's ViT with its class token only (`distilled: false`),
    trained by `ViTClassifier` (cross-entropy on the labels).
-3. The distilled student: the recipe's `DistillClassifier` (class + distillation token, hard
-   distillation from the teacher), predicting with the mean of both heads' softmax outputs.
+3. The distilled student: the recipe's `DistillClassifier` (class + distillation token, the recipe's
+   distillation, or `--distillation/--alpha/--tau`), predicting with the mean of both heads'
+   softmax outputs.
 
 Each trains from the same seed through Lightning on the recipe's `ShardDataModule` and is scored
 by `trainer.validate` on the held-out part (`val_fraction` of the train split, by key hash).
@@ -21,6 +22,9 @@ two students can run as two processes on two cores once the teacher exists:
     python bench/bench_distill.py --data D --students none                       # the teacher alone
     python bench/bench_distill.py --data D --teacher OUT/teacher.pth --students plain &
     python bench/bench_distill.py --data D --teacher OUT/teacher.pth --students distilled
+    python bench/bench_distill.py --data D --teacher OUT/teacher.pth --students distilled --distillation hard
+
+Every distilled row (named by its distillation, alpha and tau) is compared with the plain row.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import inspect
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -106,16 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default=str(RECIPE))
     parser.add_argument("--out", default="runs/bench_distill", help="teacher.pth and results.json go here")
     parser.add_argument("--epochs", type=int, default=None, help="student epochs (default: the recipe's)")
-    parser.add_argument("--teacher-epochs", type=int, default=12)
+    parser.add_argument("--teacher-epochs", type=int, default=24)
     parser.add_argument("--teacher", default=None, help="use this teacher state dict instead of training one")
     parser.add_argument("--students", choices=["both", "plain", "distilled", "none"], default="both",
                         help="which students to train (rows of other processes are read from OUT/rows)")
     parser.add_argument("--quick", action="store_true", help="1 epoch of 3 batches each: checks the pipeline only")
+    parser.add_argument("--distillation", choices=["hard", "soft"], default=None, help="default: the recipe's")
+    parser.add_argument("--alpha", type=float, default=None, help="distill_alpha (default: the recipe's)")
+    parser.add_argument("--tau", type=float, default=None, help="distill_tau, soft only (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     recipe = yaml.safe_load(Path(args.recipe).read_text())
     model_args = dict(recipe["model"]["init_args"])
+    for key, value in (("distillation", args.distillation), ("distill_alpha", args.alpha), ("distill_tau", args.tau)):
+        if value is not None:
+            model_args[key] = value
     data_args = {**recipe["data"]["init_args"], "train_shards": args.data, "source": None}
     epochs = 1 if args.quick else args.epochs or int(recipe["trainer"]["max_epochs"])
     teacher_epochs = 1 if args.quick else args.teacher_epochs
@@ -147,25 +158,28 @@ def main(argv: list[str] | None = None) -> int:
         L.seed_everything(args.seed, verbose=False)
         distill_args = {**model_args, "teacher": str(teacher_path), "teacher_arch": teacher_arch}
         distilled = DistillClassifier(**distill_args, **common)
-        rows.append(run("student, hard distillation", distilled, data, epochs, args.quick))
+        kind = distill_args.get("distillation", "hard")
+        alpha = distill_args.get("distill_alpha", 0.5)
+        label = f"alpha {alpha:g}" + (f", tau {distill_args.get('distill_tau', 1.0):g}" if kind == "soft" else "")
+        rows.append(run(f"student, {kind} distillation ({label})", distilled, data, epochs, args.quick))
 
     saved = out / "rows"
     saved.mkdir(exist_ok=True)
     for r in rows:
-        (saved / f"{r['name'].replace(' ', '_').replace(',', '')}.json").write_text(json.dumps({**r, "quick": args.quick}))
+        (saved / f"{re.sub(r'[^a-z0-9.]+', '_', r['name'])}.json").write_text(json.dumps({**r, "quick": args.quick}))
     rows = [json.loads(f.read_text()) for f in sorted(saved.glob("*.json"))]
-    order = {"teacher": 0, "student, no distillation": 1, "student, hard distillation": 2}
-    rows.sort(key=lambda r: order.get(r["name"], order["teacher"] if r["name"].startswith("teacher") else 3))
+    rows.sort(key=lambda r: (0 if r["name"].startswith("teacher") else 1 if "no distillation" in r["name"] else 2, r["name"]))
     print("\n| model | val top-1 | epochs | train s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {100 * r['val_acc1']:.2f}% | {r['epochs']} | {r['train_wall_s']:.0f} |")
-    by_name = {r["name"]: r for r in rows}
-    gain = None
-    if {"student, no distillation", "student, hard distillation"} <= set(by_name):
-        gain = 100 * (by_name["student, hard distillation"]["val_acc1"] - by_name["student, no distillation"]["val_acc1"])
-        quick = any(r.get("quick") for r in rows)
-        print(f"distillation: {gain:+.2f} points (target +2.00){'  [quick run: not a measurement]' if quick else ''}")
-    (out / "results.json").write_text(json.dumps({"rows": rows, "gain_points": gain, "quick": args.quick}, indent=2))
+    plain = next((r for r in rows if r["name"] == "student, no distillation"), None)
+    gains = {}
+    quick = " [quick run: not a measurement]" if any(r.get("quick") for r in rows) else ""
+    for r in rows:
+        if plain is not None and "distillation (" in r["name"]:
+            gains[r["name"]] = 100 * (r["val_acc1"] - plain["val_acc1"])
+            print(f"{r['name']}: {gains[r['name']]:+.2f} points over no distillation (target +2.00){quick}")
+    (out / "results.json").write_text(json.dumps({"rows": rows, "gain_points": gains, "quick": args.quick}, indent=2))
     return 0
 
 
