@@ -158,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         L.seed_everything(args.seed, verbose=False)
         distill_args = {**model_args, "teacher": str(teacher_path), "teacher_arch": teacher_arch}
         distilled = DistillClassifier(**distill_args, **common)
-        kind = distill_args.get("distillation", "hard")
-        alpha = distill_args.get("distill_alpha", 0.5)
-        label = f"alpha {alpha:g}" + (f", tau {distill_args.get('distill_tau', 1.0):g}" if kind == "soft" else "")
-        rows.append(run(f"student, {kind} distillation ({label})", distilled, data, epochs, args.quick))
+        hp = distilled.hparams  # the variant as the module resolved it, defaults included
+        label = f"alpha {hp.distill_alpha:g}" + (f", tau {hp.distill_tau:g}" if hp.distillation == "soft" else "")
+        rows.append(run(f"student, {hp.distillation} distillation ({label})", distilled, data, epochs, args.quick))
 
     saved = out / "rows"
     saved.mkdir(exist_ok=True)
