@@ -165,19 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     saved = out / "rows"
     saved.mkdir(exist_ok=True)
     for r in rows:
-        (saved / f"{re.sub(r'[^a-z0-9.]+', '_', r['name'])}.json").write_text(json.dumps({**r, "quick": args.quick}))
+        row = {**r, "seed": args.seed, "quick": args.quick}
+        (saved / f"{re.sub(r'[^a-z0-9.]+', '_', r['name'])}.json").write_text(json.dumps(row))
     rows = [json.loads(f.read_text()) for f in sorted(saved.glob("*.json"))]
     rows.sort(key=lambda r: (0 if r["name"].startswith("teacher") else 1 if "no distillation" in r["name"] else 2, r["name"]))
-    print("\n| model | val top-1 | epochs | train s |\n|---|---|---|---|")
+    print("\n| model | seed | val top-1 | epochs | train s |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {100 * r['val_acc1']:.2f}% | {r['epochs']} | {r['train_wall_s']:.0f} |")
+        print(f"| {r['name']} | {r.get('seed', '?')} | {100 * r['val_acc1']:.2f}% | {r['epochs']} | {r['train_wall_s']:.0f} |")
     plain = next((r for r in rows if r["name"] == "student, no distillation"), None)
     gains = {}
     quick = " [quick run: not a measurement]" if any(r.get("quick") for r in rows) else ""
-    for r in rows:
-        if plain is not None and "distillation (" in r["name"]:
-            gains[r["name"]] = 100 * (r["val_acc1"] - plain["val_acc1"])
-            print(f"{r['name']}: {gains[r['name']]:+.2f} points over no distillation (target +2.00){quick}")
+    for r in (r for r in rows if plain is not None and "distillation (" in r["name"]):
+        if (r["epochs"], r.get("seed")) != (plain["epochs"], plain.get("seed")):  # a row left by another run
+            print(f"{r['name']}: not compared (its epochs/seed differ from the plain row's; use one --out per budget)")
+            continue
+        gains[r["name"]] = 100 * (r["val_acc1"] - plain["val_acc1"])
+        print(f"{r['name']}: {gains[r['name']]:+.2f} points over no distillation (target +2.00){quick}")
     (out / "results.json").write_text(json.dumps({"rows": rows, "gain_points": gains, "quick": args.quick}, indent=2))
     return 0
 
