@@ -303,15 +303,14 @@ class VisionTransformer(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens from `forward_features` -> logits (or the pooled representation).
 
-        A distilled model predicts with the mean of its two heads' softmax outputs (DeiT); the
-        logits returned are the log of that mean, so softmax, argmax and cross-entropy read it as
-        they read any logits.
+        A distilled model predicts with the mean of its two heads' logits, as DeiT's code, timm
+        (`VisionTransformerDistilled`) and transformers (`DeiTForImageClassificationWithTeacher`) do.
         """
         if self.distilled:
             if pre_logits:
                 return (x[:, 0] + x[:, 1]) / 2
-            both = torch.stack([logits.log_softmax(-1) for logits in self.forward_heads(x)])
-            return torch.logsumexp(both, dim=0) - math.log(2.0)  # log of the mean, without underflow
+            cls_logits, dist_logits = self.forward_heads(x)
+            return (cls_logits + dist_logits) / 2
         x = self.pre_logits(self.fc_norm(self.pool_tokens(x)))
         return x if pre_logits else self.head(x)
 
