@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vitlab.data.base import ImageDataModule
 from vitlab.data.image_files import ImageFileDataset
+from vitlab.data.shard_index import indexed_files
 from vitlab.data.unlabelled import NO_LABELS_FIX, LabelsOption, unlabelled_samples
 
 TRAIN_DIRS = ("train", "imagenet21k_train")
@@ -30,6 +31,10 @@ def _layouts(root: Path) -> str:
 def _class_dirs(folder: Path) -> list[str]:
     with os.scandir(folder) as it:
         return sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+
+
+def _has_image(folder: Path) -> bool:
+    return any(f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True) for f in files)
 
 
 def name_hash(name: str) -> int:
@@ -121,13 +126,30 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
     def _discover_class_names(self) -> list[str]:
         train_dir = self._layout()[0]
         self._class_where = str(train_dir)
-        return _class_dirs(train_dir)
+        classes = _class_dirs(train_dir)
+        if len(classes) < 2 and not any(_has_image(train_dir / c) for c in classes):
+            # Checked here, while it is cheap: a classifier for fewer than 2 classes fails before setup.
+            raise FileNotFoundError(
+                f"no images found in {train_dir}: its class folder {', '.join(classes)} holds no image files "
+                f"(image extensions: {' '.join(IMG_EXTENSIONS)}); {_layouts(self.root)}"
+            )
+        return classes
+
+    def prepare_data(self) -> None:
+        """List the image files into the file index (vitlab.data.shard_index) where it is missing or out
+        of date. Lightning runs this once per node while the other ranks wait, so their `setup` reads
+        the index instead of walking the tree."""
+        if self.labels:
+            train_dir, val_dir, test_dir = self._layout()
+            for folder in (train_dir, val_dir, test_dir):
+                if folder is not None:
+                    indexed_files(folder, self.class_names, IMG_EXTENSIONS)
 
     def _scan(self, folder: Path, classes: list[str]) -> list[tuple[str, int]]:
-        class_to_idx = {c: i for i, c in enumerate(classes)}
-        samples = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-        seen = {t for _, t in samples}
-        empty = [c for c in classes if class_to_idx[c] not in seen]
+        """(path, class index) of every image, in torchvision's make_dataset order, from the file index."""
+        files = indexed_files(folder, classes, IMG_EXTENSIONS)
+        samples = [(os.path.join(folder, c, f), i) for i, c in enumerate(classes) for f in files[c]]
+        empty = [c for c in classes if not files[c]]
         if empty:
             raise FileNotFoundError(
                 f"class folders without images in {folder}: {', '.join(empty)} "

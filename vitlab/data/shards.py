@@ -17,10 +17,13 @@ divides by ranks x workers, ranks would get different sample counts (a DDP hang 
 or whole shards dropped or repeated). The range split serves any shard count, more or fewer than
 ranks x workers, at the cost of at most one partly skipped shard per piece.
 
-This needs the per-shard sample counts up front: one pass reading the tar headers and keys (about
-0.2 s per CIFAR shard; cached per process), or for huge collections `num_samples` (all shards full
-but the last, as webdataset's ShardWriter writes them, checked while reading). A held-out
-validation split (no `val_shards`) is chosen by hashing each sample's key.
+This needs the per-shard sample counts up front. They are read once (one pass over the tar headers
+and keys) into `shardindex.json`, the wids shard-index format, beside the shards or in the user's
+cache folder (vitlab.data.shard_index); later starts, and every DDP rank but the one that wrote it
+(`prepare_data`), read the index and stat the shards instead of reading them. Or, for huge
+collections, `num_samples` (all shards full but the last, as webdataset's ShardWriter writes them,
+checked while reading). A held-out validation split (no `val_shards`) is chosen by hashing each
+sample's key.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import os
 import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +50,7 @@ from vitlab.data.folder import name_hash
 from vitlab.data.loaders import available_cpus
 from vitlab.data.memory import BatchAugment, MemoryImages, batch_collate, decode_into_memory, normalise_batch
 from vitlab.data.public import ensure_public
+from vitlab.data.shard_index import ShardCounts, indexed_counts
 from vitlab.data.shared_counter import SharedCounter
 from vitlab.data.transforms import eval_transform
 from vitlab.data.unlabelled import NO_LABELS_FIX, UNLABELLED, LabelsOption
@@ -151,27 +154,11 @@ def _exts(sample: dict[str, Any]) -> str:
     return ", ".join(k for k in sample if not k.startswith("__")) or "nothing"
 
 
-@dataclass(frozen=True)
-class ShardCounts:
-    total: int
-    train: int  # samples whose key hashes outside the held-out fraction
-    val: int
-    max_label: int
-
-    def of(self, part: Part) -> int:
-        return {"all": self.total, "train": self.train, "val": self.val}[part]
-
-
-_INDEX_CACHE: dict[tuple, ShardCounts] = {}
+_REMOTE_COUNTS: dict[tuple, ShardCounts] = {}  # remote shards have no index: counted once per process
 
 
 def _count_shard(url: str, val_fraction: float, labels: bool = True) -> ShardCounts:
-    cache_key: tuple = (url, val_fraction, labels)
-    if not _is_remote(url):
-        st = os.stat(url)
-        cache_key += (st.st_size, st.st_mtime_ns)
-    if cache_key in _INDEX_CACHE:
-        return _INDEX_CACHE[cache_key]
+    """Read one shard through: its sample count, held-out count and largest label."""
     total = val = 0
     max_label = -1
     for sample in _raw_samples(url):
@@ -179,16 +166,28 @@ def _count_shard(url: str, val_fraction: float, labels: bool = True) -> ShardCou
         max_label = max(max_label, sample_label(sample, labels))
         total += 1
         val += val_fraction > 0 and key_in_val(sample["__key__"], val_fraction)
-    counts = ShardCounts(total, total - val, val, max_label)
-    _INDEX_CACHE[cache_key] = counts
-    return counts
+    return ShardCounts(total, total - val, val, max_label)
 
 
-def index_shards(urls: list[str], val_fraction: float = 0.0, labels: bool = True) -> list[ShardCounts]:
-    """Per-shard sample counts (and held-out split counts), read in a few threads (zlib frees the GIL)."""
+def _count_shards(urls: list[str], val_fraction: float, labels: bool) -> list[ShardCounts]:
+    """`_count_shard` in a few threads (zlib frees the GIL)."""
+    if not urls:
+        return []
     threads = max(1, min(len(urls), available_cpus(), 8))
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(lambda u: _count_shard(u, val_fraction, labels), urls))
+
+
+def index_shards(urls: list[str], val_fraction: float = 0.0, labels: bool = True) -> list[ShardCounts]:
+    """Per-shard sample counts (and held-out split counts): local shards from their index
+    (vitlab.data.shard_index), counted and indexed where it is missing or out of date."""
+    local = [u for u in urls if not _is_remote(u)]
+    count = lambda us: _count_shards(us, val_fraction, labels)  # noqa: E731
+    counts = dict(zip(local, indexed_counts(local, count, val_fraction, labels)))
+    remote = [u for u in urls if _is_remote(u) and (u, val_fraction, labels) not in _REMOTE_COUNTS]
+    for u, c in zip(remote, _count_shards(remote, val_fraction, labels)):
+        _REMOTE_COUNTS[u, val_fraction, labels] = c
+    return [counts[u] if u in counts else _REMOTE_COUNTS[u, val_fraction, labels] for u in urls]
 
 
 def assumed_counts(num_samples: int, num_shards: int) -> list[int]:
@@ -525,6 +524,14 @@ class ShardDataModule(LabelsOption, ImageDataModule):
             if decode else None,
             num_classes=self.num_classes, skip_bad_images=self.skip_bad_images, labels=self.labels,
         )  # fmt: skip
+
+    def prepare_data(self) -> None:
+        """Count the shards into their index (vitlab.data.shard_index) where it is missing or out of date.
+
+        Lightning runs this once per node (local rank 0; `prepare_data_per_node=False`: once in all)
+        while the other ranks wait at a barrier, so their `setup` reads the index, not the shards.
+        """
+        self._build_index()
 
     def _setup_datasets(self, stage: str | None) -> None:
         if self.train_dataset is not None:

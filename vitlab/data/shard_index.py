@@ -1,0 +1,273 @@
+"""Indexes written once so that a start does not read every shard, or walk every folder, again.
+
+Shard index: `shardindex.json` in webdataset's wids format (`__kind__: wids-shard-index-v1`, a
+`shardlist` of `{url, nsamples, filesize}`, urls relative to the index's folder), each entry with
+vitlab's extras: `mtime_ns`, `max_label` (null when counted without labels) and `val`, the held-out
+count per val_fraction (`{"0.02": 103}`). File index: `fileindex.json`, the image files of each
+class folder with the folder's mtime.
+
+Each is written beside the data when that folder is writable, else into the user's cache folder
+($XDG_CACHE_HOME/vitlab or ~/.cache/vitlab) under a name hashed from the data folder's path. An entry
+is used only while its file's size and mtime (a class folder's mtime) are unchanged; a changed or new
+shard is counted again and the index updated. Under DDP the DataModule's `prepare_data` (Lightning
+runs it on local rank 0 while the other ranks wait at a barrier) writes the index that every rank's
+`setup` then reads. `vitlab index-shards DIR` writes it ahead, e.g. before a bucket goes read-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("vitlab.data")
+
+SHARD_INDEX = "shardindex.json"  # wids' default name for a shard index
+FILE_INDEX = "fileindex.json"
+WIDS_KIND = "wids-shard-index-v1"
+FILES_KIND = "vitlab-file-index-v1"
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/vitlab, else ~/.cache/vitlab."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vitlab"
+
+
+def index_locations(folder: Path, name: str) -> list[Path]:
+    """Where `folder`'s index may be: beside the data first, then the cache folder."""
+    folder = folder.resolve()
+    digest = hashlib.blake2b(str(folder).encode(), digest_size=10).hexdigest()
+    return [folder / name, cache_root() / Path(name).stem / f"{folder.name}-{digest}.json"]
+
+
+def load_index(folder: Path, name: str, kind: str) -> list[dict[str, Any]]:
+    """The documents of `folder`'s index found (beside, then cache); unreadable ones are ignored."""
+    docs = []
+    for path in index_locations(folder, name):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("__kind__") == kind:
+            docs.append(doc)
+    return docs
+
+
+def _writable(folder: Path) -> bool:
+    """Writable by us, and not marked read-only (no write bit), which root would otherwise ignore."""
+    try:
+        return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
+def save_index(folder: Path, name: str, doc: dict[str, Any]) -> Path | None:
+    """Write `doc` atomically beside the data, else into the cache folder; None when neither is writable."""
+    beside, cached = index_locations(folder, name)
+    for path in ([beside] if _writable(folder) else []) + [cached]:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f, separators=(",", ":"))
+                os.chmod(tmp, 0o644)  # readable by whoever reads the data, not only its writer
+                os.replace(tmp, path)  # readers see the old index or the new one, never half of one
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            continue
+        log.info("wrote index %s", path)
+        return path
+    log.warning("could not write an index for %s (the folder and %s are not writable)", folder, cache_root())
+    return None
+
+
+# ---- shards ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardCounts:
+    total: int
+    train: int  # samples whose key hashes outside the held-out fraction
+    val: int
+    max_label: int
+
+    def of(self, part: str) -> int:
+        return {"all": self.total, "train": self.train, "val": self.val}[part]
+
+
+SETTLE_NS = 2_000_000_000  # an mtime this close to now may yet change within the same clock tick
+
+
+def _settled_mtime(st: os.stat_result) -> int | None:
+    """The mtime to record, or None (so the entry is redone next start) when the file or folder changed
+    so recently that a further change could keep the same mtime (coarse file-system timestamps)."""
+    return st.st_mtime_ns if st.st_mtime_ns < time.time_ns() - SETTLE_NS else None
+
+
+def _fraction_key(val_fraction: float) -> str:
+    return repr(float(val_fraction))
+
+
+def _from_entry(entry: dict[str, Any], st: os.stat_result, val_fraction: float, labels: bool) -> ShardCounts | None:
+    """The entry's counts when it describes this very file and holds what is asked, else None."""
+    if entry.get("filesize") != st.st_size or entry.get("mtime_ns") != st.st_mtime_ns:
+        return None
+    max_label = entry.get("max_label")
+    if labels and max_label is None:  # counted without labels: nothing says every sample has one
+        return None
+    total = entry["nsamples"]
+    val = entry.get("val", {}).get(_fraction_key(val_fraction)) if val_fraction > 0 else 0
+    if val is None:
+        return None
+    return ShardCounts(total, total - val, val, max_label if labels else -1)
+
+
+def _to_entry(
+    name: str, st: os.stat_result, counts: ShardCounts, val_fraction: float, labels: bool, old: dict[str, Any] | None
+) -> dict[str, Any]:
+    same_file = old is not None and old.get("filesize") == st.st_size and old.get("mtime_ns") == st.st_mtime_ns
+    val = dict(old.get("val", {})) if same_file else {}  # keep other fractions' counts of the same file
+    if val_fraction > 0:
+        val[_fraction_key(val_fraction)] = counts.val
+    max_label = counts.max_label if labels else (old.get("max_label") if same_file else None)
+    return {"url": name, "nsamples": counts.total, "filesize": st.st_size, "mtime_ns": _settled_mtime(st),
+            "max_label": max_label, "val": val}  # fmt: skip
+
+
+def indexed_counts(
+    paths: list[str],
+    count: Callable[[list[str]], list[ShardCounts]],
+    val_fraction: float = 0.0,
+    labels: bool = True,
+) -> list[ShardCounts]:
+    """Counts of local shard files: from the index where it is current, else `count(missing)`, which are
+    then written to the index of each folder involved."""
+    groups: dict[Path, list[int]] = {}
+    for i, p in enumerate(paths):
+        groups.setdefault(Path(p).resolve().parent, []).append(i)
+    out: list[ShardCounts | None] = [None] * len(paths)
+    stats = [os.stat(p) for p in paths]
+    entries: dict[Path, dict[str, dict[str, Any]]] = {}
+    for folder, idx in groups.items():
+        docs = [_by_url(doc) for doc in load_index(folder, SHARD_INDEX, WIDS_KIND)]
+        for i in idx:
+            name = Path(paths[i]).name
+            found = (_from_entry(d[name], stats[i], val_fraction, labels) for d in docs if name in d)
+            out[i] = next((c for c in found if c is not None), None)
+        entries[folder] = {k: v for d in reversed(docs) for k, v in d.items()}  # beside the data wins
+    missing = [i for i, c in enumerate(out) if c is None]
+    if not missing:
+        return out  # type: ignore[return-value]
+    log.info("counting the samples of %d of %d shards (then indexed for later starts)", len(missing), len(paths))
+    for i, counts in zip(missing, count([paths[i] for i in missing])):
+        out[i] = counts
+    recounted = set(missing)
+    for folder, idx in groups.items():
+        if recounted.isdisjoint(idx):
+            continue
+        merged = entries[folder]
+        for i in recounted.intersection(idx):
+            name = Path(paths[i]).name
+            merged[name] = _to_entry(name, stats[i], out[i], val_fraction, labels, merged.get(name))  # type: ignore
+        present = [e for n, e in sorted(merged.items()) if (folder / n).exists()]
+        doc = {"__kind__": WIDS_KIND, "wids_version": 1, "name": folder.name, "shardlist": present}
+        save_index(folder, SHARD_INDEX, doc)
+    return out  # type: ignore[return-value]
+
+
+def _by_url(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["url"]: e for e in doc.get("shardlist", []) if isinstance(e, dict) and "url" in e and "nsamples" in e}
+
+
+# ---- image folders -----------------------------------------------------------------------------------
+
+
+def _walk_images(class_dir: Path, extensions: tuple[str, ...]) -> tuple[list[str], dict[str, int | None]]:
+    """Image files under one class folder as torchvision's make_dataset lists them (sorted walk,
+    symlinks followed), relative to it, and the mtime of every folder walked."""
+    files, mtimes = [], {}
+    for dirpath, _, filenames in sorted(os.walk(class_dir, followlinks=True)):
+        rel = os.path.relpath(dirpath, class_dir)
+        mtimes[rel] = _settled_mtime(os.stat(dirpath))
+        files += [os.path.normpath(os.path.join(rel, f)) for f in sorted(filenames) if f.lower().endswith(extensions)]
+    return files, mtimes
+
+
+def _current(entry: dict[str, Any], class_dir: Path) -> bool:
+    try:
+        return all(os.stat(class_dir / rel).st_mtime_ns == m for rel, m in entry["dirs"].items())
+    except (OSError, KeyError, AttributeError):
+        return False
+
+
+def indexed_files(folder: Path, classes: list[str], extensions: tuple[str, ...]) -> dict[str, list[str]]:
+    """Per class folder of `folder`, its image files (paths relative to the class folder), from the file
+    index where the class's folders' mtimes are unchanged, else walked and written to the index."""
+    docs = [doc.get("classes", {}) for doc in load_index(folder, FILE_INDEX, FILES_KIND)]
+    known: dict[str, Any] = {k: v for d in reversed(docs) for k, v in d.items()}  # beside the data wins
+    out: dict[str, list[str]] = {}
+    stale = 0
+    for c in classes:
+        entry = next((d[c] for d in docs if c in d and _current(d[c], folder / c)), None)
+        if entry is not None:
+            known[c], out[c] = entry, entry["files"]
+            continue
+        files, dirs = _walk_images(folder / c, extensions)
+        known[c] = {"dirs": dirs, "files": files}
+        out[c] = files
+        stale += 1
+    if stale:
+        log.info("listed %d of %d class folders in %s (written to the file index for later starts)",
+                 stale, len(classes), folder)  # fmt: skip
+        kept = {c: known[c] for c in classes}
+        save_index(folder, FILE_INDEX, {"__kind__": FILES_KIND, "extensions": list(extensions), "classes": kept})
+    return out
+
+
+# ---- `vitlab index-shards` ---------------------------------------------------------------------------
+
+
+def _shard_folders(paths: Iterable[str]) -> list[str]:
+    """Each path, or its train/ and val/ shard folders when it has them (the layout DATA= accepts)."""
+    out = []
+    for p in paths:
+        subs = [os.path.join(p, s) for s in ("train", "val") if os.path.isdir(os.path.join(p, s))]
+        out += subs or [p]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`vitlab index-shards DIR...`: count every shard once and write the index that later starts read."""
+    from vitlab.data.shards import expand_shards, index_shards
+
+    p = argparse.ArgumentParser(
+        prog="vitlab index-shards",
+        description="Write shardindex.json (per-shard sample counts, held-out split counts) for shard folders, "
+        "beside the shards when writable, else in the cache folder; training starts then read it instead of "
+        "every shard.",
+    )
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a shard folder, or one with train/ and val/ shard folders")
+    p.add_argument("--val_fraction", type=float, action="append",
+                   help="held-out fraction to count (repeatable); default 0.02, the data module's")  # fmt: skip
+    p.add_argument("--no_labels", action="store_true", help="shards without .cls labels")
+    args = p.parse_args(argv)
+    fractions = args.val_fraction or [0.02]
+    for folder in _shard_folders(args.dirs):
+        urls = expand_shards(folder)
+        for vf in fractions:
+            counts = index_shards(urls, vf, labels=not args.no_labels)
+        written = [q for q in index_locations(Path(folder), SHARD_INDEX) if q.is_file()]
+        where = max(written, key=lambda q: q.stat().st_mtime_ns) if written else "none written (no writable folder)"
+        print(f"{folder}: {len(urls)} shards, {sum(c.total for c in counts)} samples; index: {where}")
+    return 0
