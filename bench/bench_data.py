@@ -7,14 +7,25 @@ backward, AdamW). Share = data / (data + model). Rounds alternate between the me
 keeps its fastest, so a busy spell on a shared machine does not land on one side only.
 
     python bench/bench_data.py            # both recipes, both paths
+
+`--startup`: what a start costs before its first batch, without and then with the shard index
+(vitlab.data.shard_index), each start a fresh process with an empty cache folder at first: bytes
+read during `setup("fit")` (the kernel's rchar), seconds of setup and to the first training batch,
+and the batches per epoch (which the index must not change).
+
+    python bench/bench_data.py --startup
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import train_step_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared/data"
+SHARED = Path(os.environ.get("VITLAB_SHARED_DATA", ROOT.parent / "shared/data"))
 RECIPES = {
     "pretrain (Tiny-ImageNet, 32px)": (
         ROOT / "recipes/pretrain/tinyimagenet_vit_cpu.yaml",
@@ -69,11 +80,60 @@ def data_seconds(dm, batches: int) -> float:
     return statistics.median(times[1:])
 
 
+STARTUP = {"CIFAR-10 shards (held out by key)": SHARED / "cifar10-train-shards",
+           "Tiny-ImageNet shards (train/ + val/)": SHARED / "tinyimagenet-200-shards"}
+
+
+def _rchar() -> int:
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+def one_start(data: Path) -> dict:
+    """One start in this process: setup('fit') and the first training batch, as a training run does them."""
+    from vitlab.data import ShardDataModule
+
+    split = (data / "train").is_dir()
+    dm = ShardDataModule(str(data / "train") if split else str(data), val_shards=str(data / "val") if split else None,
+                         img_size=32, batch_size=128, num_workers=0, auto_augment=None)  # fmt: skip
+    t0, r0 = time.perf_counter(), _rchar()
+    dm.setup("fit")
+    t1, r1 = time.perf_counter(), _rchar()
+    loader = dm.train_dataloader()
+    next(iter(loader))
+    return {"setup_bytes": r1 - r0, "setup_s": t1 - t0, "first_batch_s": time.perf_counter() - t0,
+            "batches": len(loader)}  # fmt: skip
+
+
+def startup() -> None:
+    print(f"{'data':38s} {'start':9s} {'setup MB read':>13s} {'% of shards':>11s} {'setup s':>8s} "
+          f"{'1st batch s':>11s} {'batches':>7s}")  # fmt: skip
+    for name, data in STARTUP.items():
+        if not data.is_dir():
+            raise SystemExit(f"{data} is not a folder; see ../shared/data/README.md")
+        size = sum(p.stat().st_size for p in data.rglob("*.tar*"))
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": str(ROOT)}
+            for kind in ("no index", "indexed"):
+                out = subprocess.run([sys.executable, __file__, "--one_start", str(data)], env=env, check=True,
+                                     capture_output=True, text=True).stdout  # fmt: skip
+                r = json.loads(out.strip().splitlines()[-1])
+                print(f"{name:38s} {kind:9s} {r['setup_bytes'] / 1e6:13.2f} {100 * r['setup_bytes'] / size:10.2f}% "
+                      f"{r['setup_s']:8.2f} {r['first_batch_s']:11.2f} {r['batches']:7d}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=10, help="timed batches or steps per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--startup", action="store_true", help="bytes read and seconds to the first batch, index or not")
+    p.add_argument("--one_start", type=Path, help=argparse.SUPPRESS)  # a child process of --startup
     args = p.parse_args(argv)
+    if args.one_start is not None:
+        print(json.dumps(one_start(args.one_start)))
+        return 0
+    if args.startup:
+        startup()
+        return 0
     print(f"torch threads {torch.get_num_threads()}; fastest of {args.rounds} alternating rounds of {args.batches}")
     print(f"{'recipe':32s} {'path':10s} {'data s/batch':>12s} {'model s/step':>12s} {'data share':>10s}")
     for name, (path, data) in RECIPES.items():

@@ -10,6 +10,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -302,3 +304,18 @@ def test_image_folder_without_images_says_so(tmp_path: Path) -> None:
     dm = ImageFolderDataModule(str(root), **SMALL)
     with pytest.raises(FileNotFoundError, match=f"no images found in {root / 'train'}: its class folder cat holds no"):
         dm.num_classes
+
+
+@pytest.mark.slow
+def test_cli_reports_an_image_folder_without_images_in_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    (root / "train" / "cat").mkdir(parents=True)
+    (root / "train" / "cat" / "readme.txt").write_text("no images here")
+    recipe = Path(__file__).resolve().parents[1] / "recipes/pretrain/tinyimagenet_vit_cpu.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "VITLAB_DEBUG"}
+    args = ["fit", "--config", str(recipe), "--run_dir", str(tmp_path / "run"), "--data_path", str(root)]
+    proc = subprocess.run([sys.executable, "-m", "vitlab.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("vitlab: error:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith(f"vitlab: error: no images found in {root / 'train'}: "), errors

@@ -28,6 +28,7 @@ sample's key.
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -182,7 +183,7 @@ def index_shards(urls: list[str], val_fraction: float = 0.0, labels: bool = True
     """Per-shard sample counts (and held-out split counts): local shards from their index
     (vitlab.data.shard_index), counted and indexed where it is missing or out of date."""
     local = [u for u in urls if not _is_remote(u)]
-    count = lambda us: _count_shards(us, val_fraction, labels)  # noqa: E731
+    count = functools.partial(_count_shards, val_fraction=val_fraction, labels=labels)
     counts = dict(zip(local, indexed_counts(local, count, val_fraction, labels)))
     remote = [u for u in urls if _is_remote(u) and (u, val_fraction, labels) not in _REMOTE_COUNTS]
     for u, c in zip(remote, _count_shards(remote, val_fraction, labels)):
