@@ -319,3 +319,59 @@ def test_cli_reports_an_image_folder_without_images_in_one_line(tmp_path: Path) 
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("vitlab: error:")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(errors) == 1 and errors[0].startswith(f"vitlab: error: no images found in {root / 'train'}: "), errors
+
+
+# ---- streamed HF datasets under DDP ------------------------------------------------------------------
+
+
+def write_parquet_shards(folder: Path, rows: list[int]) -> list[str]:
+    """Parquet files of PNG images whose label is the row's position in the stream (its identity)."""
+    import datasets
+
+    rng, files, start = np.random.default_rng(0), [], 0
+    for i, n in enumerate(rows):
+        images = [{"bytes": noise_png(rng, 64), "path": None} for _ in range(n)]
+        part = datasets.Dataset.from_dict(
+            {"image": images, "label": list(range(start, start + n))},
+            features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+        )
+        files.append(str(folder / f"train-{i:05d}.parquet"))
+        part.to_parquet(files[-1])
+        start += n
+    return files
+
+
+@pytest.mark.parametrize("rows,num_workers", [([6, 6, 6, 6], 0), ([6, 7, 6, 4], 2)])
+def test_hf_stream_ranks_read_disjoint_shares_of_equal_size(tmp_path: Path, rows: list[int], num_workers: int) -> None:
+    """4 parquet shards over 2 ranks: each rank reads 2 of them, never the other's rows; the ranks yield the
+    same number of batches. Equal shards: together they cover the stream. Unequal ones: a rank stops at
+    what its 2 shards hold at the least, whichever it got: the 2 smallest (4 + 6); with 2 workers, one
+    shard each, each worker stops at the smallest shard (4 + 4)."""
+    from types import SimpleNamespace
+
+    from vitlab.data import HFDataModule
+
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    files, n = write_parquet_shards(folder, rows), sum(rows)
+    seen, sizes, read = [], [], []
+    for world_size, rank in ((1, 0), (2, 0), (2, 1)):  # the whole stream, then each rank's share
+        dm = HFDataModule("parquet", data_files={"train": files}, streaming=True, val_split=None, val_fraction=0.0,
+                          test_split=None, num_classes=n, cache_dir=str(tmp_path / "hf"),
+                          **{**SMALL, "num_workers": num_workers})  # fmt: skip
+        dm.trainer = SimpleNamespace(world_size=world_size, global_rank=rank, num_devices=1, current_epoch=0)
+        dm.prepare_data()  # counts the shards' rows once into the index
+        dm.setup("fit")
+        before = rchar()
+        labels = [y for _, y in dm.train_dataloader()]
+        read.append(rchar() - before)
+        sizes.append([len(y) for y in labels])
+        seen.append(torch.cat(labels).tolist())
+    assert sorted(seen[0]) == list(range(n))  # one process: every row
+    per_rank = sum(sorted(rows)[:2]) if num_workers == 0 else 2 * min(rows)
+    assert len(seen[1]) == len(seen[2]) == per_rank and sizes[1] == sizes[2]
+    assert not set(seen[1]) & set(seen[2]) and len(set(seen[1])) == per_rank
+    if len(set(rows)) == 1:
+        assert sorted(seen[1] + seen[2]) == list(range(n))
+    if num_workers == 0:  # (worker processes' reads are not this process's)
+        assert read[1] < 0.6 * read[0] and read[2] < 0.6 * read[0], read  # half the stream each, not all of it

@@ -2,9 +2,11 @@
 
 Local (`imagefolder` with data_dir, `parquet` / `arrow` with data_files, a saved dataset's builder)
 or from the hub when online. Map-style datasets get Lightning's DistributedSampler under DDP.
-Streaming (iterable) ones are split over ranks by `HFIterableImageDataset` so that every rank yields
-the same number of samples (and so batches): a rank whose epoch ran out first would otherwise leave
-the others waiting forever in their next all-reduce.
+Streaming (iterable) ones are split over ranks by `split_dataset_by_node` and cut by
+`HFIterableImageDataset` so that every rank yields the same number of samples (and so batches): a
+rank whose epoch ran out first would otherwise leave the others waiting forever in their next
+all-reduce. The cut needs the rows of each shard, counted once (label column only) into an index in
+the user's cache folder (vitlab.data.shard_index) by `prepare_data`.
 `datasets` is imported lazily: it is slow to import and only this module needs it.
 """
 
@@ -12,13 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from vitlab.data.base import ImageDataModule
 from vitlab.data.decode import BadImageError, load_rgb
+from vitlab.data.shard_index import indexed_rows, local_mtimes
 from vitlab.data.transforms import pil_to_rgb
 
 log = logging.getLogger("vitlab.data")
@@ -61,45 +65,64 @@ class HFImageDataset(Dataset):
         return self.transform(img), int(row[self.label_column])
 
 
-class HFIterableImageDataset(IterableDataset):
-    """Streaming adapter that gives each of `world_size` ranks the same number of samples.
+def worker_quota(shard_rows: list[int], world_size: int, worker: int = 0, num_workers: int = 1) -> int:
+    """Rows one DataLoader worker of any rank yields per epoch from a stream split by `split_dataset_by_node`.
 
-    Every rank reads the whole stream (inside DataLoader workers, HF hands each worker its own shards,
-    the same ones on every rank, since the shard order and shuffle depend only on seed and epoch) and
-    takes positions rank, rank + W, ... of it, but only from complete rounds of W: a rank yields a
-    sample once the stream shows that every rank gets one in that round. So every rank (and every
-    worker of it) yields the same count, with no count known ahead, and the last `len % W` samples of
-    each worker's stream (at most W - 1) are dropped each epoch. Images of other ranks are not decoded.
-    (`datasets.distributed.split_dataset_by_node` gives ranks whole shards or every W-th sample, and
-    its counts can differ by a batch or more.)
+    HF gives each rank whole shards when their number divides by world_size (else every W-th row of
+    the stream), and each worker of a rank whole shards round-robin. Which shards changes each epoch,
+    so the quota is what no assignment falls short of: the rows of the k smallest shards, k the number
+    of shards the worker gets (a W-th of that for every-W-th rows). It is the same on every rank.
+    """
+    n = len(shard_rows)
+    whole_shards = n % world_size == 0
+    k = len(range(worker, n // world_size if whole_shards else n, num_workers))
+    rows = sum(sorted(shard_rows)[:k])
+    return rows if whole_shards else rows // world_size
+
+
+class HFIterableImageDataset(IterableDataset):
+    """Streaming adapter: this rank's share of the stream, the same number of samples on every rank.
+
+    The stream is split with `datasets.distributed.split_dataset_by_node`: with a shard count that
+    divides by world_size each rank reads only its own shards, else every rank reads the stream and
+    keeps every W-th row (decoding only those). Each worker stops at `worker_quota` rows, computed
+    from the per-shard row counts (`shard_rows`, counted once into an index; see HFDataModule), so
+    every rank yields the same number of batches: a rank whose epoch ran out first would otherwise
+    leave the others waiting forever in their next all-reduce. What a share holds beyond the quota
+    (shards of unequal size) is dropped that epoch. One process (world_size 1) reads everything.
     """
 
     def __init__(
         self, ds: Any, image_column: str, label_column: str, transform: Any, name: str, rank: int = 0,
-        world_size: int = 1,
+        world_size: int = 1, shard_rows: list[int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.ds = ds.select_columns([image_column, label_column])
+        if world_size > 1 and shard_rows is None:
+            raise ValueError("a stream split over ranks needs its per-shard row counts (shard_rows)")
+        ds = ds.select_columns([image_column, label_column])
+        if world_size > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        self.ds = ds
         self.image_column, self.label_column = image_column, label_column
         self.transform, self.name = transform, name
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
 
     def set_epoch(self, epoch: int) -> None:
         self.ds.set_epoch(epoch)  # HF keeps it in shared memory for persistent workers
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
-        mine: tuple[int, Any] | None = None
-        for i, row in enumerate(self.ds):
-            slot = i % self.world_size
-            if slot == self.rank:
-                mine = (i, row)
-            if slot == self.world_size - 1 and mine is not None:  # round complete: every rank has one
-                j, row_j = mine
-                mine = None
-                img = to_pil(row_j[self.image_column], f"{self.name} item {j}")
-                yield self.transform(img), int(row_j[self.label_column])
+        rows: Iterator[dict[str, Any]] = iter(self.ds)
+        if self.shard_rows is not None and self.world_size > 1:
+            info = get_worker_info()
+            worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+            rows = islice(rows, worker_quota(self.shard_rows, self.world_size, worker, num_workers))
+        for i, row in enumerate(rows):
+            img = to_pil(row[self.image_column], f"{self.name} item {i} of rank {self.rank}")
+            yield self.transform(img), int(row[self.label_column])
 
 
 class HFDataModule(ImageDataModule):
@@ -156,7 +179,25 @@ class HFDataModule(ImageDataModule):
         return self._dd
 
     def prepare_data(self) -> None:
-        self._load()  # downloads / builds the arrow cache once per node
+        """Download / build the arrow cache, and for a stream over several ranks count its shards' rows
+        into the index; Lightning runs this once per node while the other ranks wait."""
+        dd = self._load()
+        if self.streaming and self.world_size > 1:
+            for split in {self.train_split, self.val_split, self.test_split} & set(dd):
+                self._shard_rows(dd[split], split)
+
+    def _shard_rows(self, ds: Any, split: str) -> list[int]:
+        """Rows in each shard of a streamed split, counted once (label column only) into the index."""
+        files = self.data_files if isinstance(self.data_files, dict) else {"": self.data_files or []}
+        local = [self.data_dir or "", *(f for v in files.values() for f in ([v] if isinstance(v, str) else v))]
+        key = {"path": self.path, "name": self.name, "data_dir": self.data_dir, "data_files": self.data_files,
+               "split": split, "num_shards": ds.num_shards, "mtimes": local_mtimes(local)}  # fmt: skip
+
+        def count() -> list[int]:
+            labels = ds.select_columns([self.label_column])
+            return [sum(1 for _ in labels.shard(num_shards=ds.num_shards, index=i)) for i in range(ds.num_shards)]
+
+        return indexed_rows(key, count)
 
     def _raw_splits(self) -> tuple[Any, Any]:
         """(train, val or None) as HF datasets, the held-out split applied."""
@@ -221,13 +262,15 @@ class HFDataModule(ImageDataModule):
 
         feature = (ds.features or {}).get(self.image_column)
         if isinstance(feature, datasets.Image) and feature.decode:
-            # Each rank reads every row but decodes only its own: bytes here, decoded by to_pil.
+            # Bytes here, decoded by to_pil: only the rows this rank keeps are decoded.
             ds = ds.cast_column(self.image_column, datasets.Image(decode=False))
+        ws = self.world_size
+        rows = self._shard_rows(ds, split) if ws > 1 else None
         if train:
             ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
         return HFIterableImageDataset(
-            ds, self.image_column, self.label_column, transform, label, rank=self.global_rank,
-            world_size=self.world_size,
+            ds, self.image_column, self.label_column, transform, label, rank=self.global_rank, world_size=ws,
+            shard_rows=rows,
         )  # fmt: skip
 
     def _setup_datasets(self, stage: str | None) -> None:

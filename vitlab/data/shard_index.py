@@ -74,22 +74,26 @@ def save_index(folder: Path, name: str, doc: dict[str, Any]) -> Path | None:
     beside, cached = index_locations(folder, name)
     for path in ([beside] if _writable(folder) else []) + [cached]:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                os.chmod(tmp, 0o644)  # readable by whoever reads the data, not only its writer
-                os.replace(tmp, path)  # readers see the old index or the new one, never half of one
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            _write_json(path, doc)
         except OSError:
             continue
         log.info("wrote index %s", path)
         return path
     log.warning("could not write an index for %s (the folder and %s are not writable)", folder, cache_root())
     return None
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.chmod(tmp, 0o644)  # readable by whoever reads the data, not only its writer
+        os.replace(tmp, path)  # readers see the old index or the new one, never half of one
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 # ---- shards ------------------------------------------------------------------------------------------
@@ -233,6 +237,33 @@ def indexed_files(folder: Path, classes: list[str], extensions: tuple[str, ...])
         kept = {c: known[c] for c in classes}
         save_index(folder, FILE_INDEX, {"__kind__": FILES_KIND, "extensions": list(extensions), "classes": kept})
     return out
+
+
+# ---- streamed datasets (Hugging Face) ------------------------------------------------------------------
+
+
+def indexed_rows(key: dict[str, Any], count: Callable[[], list[int]]) -> list[int]:
+    """Rows per shard of a streamed dataset that `key` identifies (its description, split, shard count and
+    its local files' mtimes): from the cache folder's index, else `count()`, then written there."""
+    text = json.dumps(key, sort_keys=True, default=str)
+    path = cache_root() / "streams" / f"{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}.json"
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == json.loads(text):
+            return doc["shard_rows"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    rows = count()
+    try:
+        _write_json(path, {"key": json.loads(text), "shard_rows": rows})
+    except OSError:
+        log.warning("could not write the row index %s", path)
+    return rows
+
+
+def local_mtimes(paths: Iterable[str]) -> dict[str, int]:
+    """mtime of each path that is a local file or folder (a changed local dataset gets a new index)."""
+    return {p: os.stat(p).st_mtime_ns for p in paths if os.path.exists(p)}
 
 
 # ---- `vitlab index-shards` ---------------------------------------------------------------------------
