@@ -126,6 +126,20 @@ def test_index_is_written_in_wids_format_and_a_later_start_reads_under_5_percent
     assert len(second.train_dataset) == sum(COUNTS) - n_val and len(second.val_dataset) == n_val
 
 
+def test_symlinked_shards_are_indexed_beside_the_links(tmp_path: Path) -> None:
+    real = make_shards(tmp_path / "real")
+    links = tmp_path / "links"
+    links.mkdir()
+    for p in real.iterdir():
+        (links / p.name).symlink_to(p)
+    start(links)
+    assert [e["url"] for e in json.loads((links / "shardindex.json").read_text())["shardlist"]] == [
+        f"part-{i:06d}.tar" for i in range(len(COUNTS))
+    ]
+    _, read = start(links)
+    assert read < 0.05 * shard_bytes(real)
+
+
 def test_changed_shard_is_recounted_and_only_it(tmp_path: Path) -> None:
     folder = make_shards(tmp_path / "shards")
     start(folder, val_fraction=0.0)

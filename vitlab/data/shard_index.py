@@ -159,7 +159,7 @@ def indexed_counts(
     then written to the index of each folder involved."""
     groups: dict[Path, list[int]] = {}
     for i, p in enumerate(paths):
-        groups.setdefault(Path(p).resolve().parent, []).append(i)
+        groups.setdefault(Path(os.path.abspath(p)).parent, []).append(i)  # a symlinked shard: the link's folder
     out: list[ShardCounts | None] = [None] * len(paths)
     stats = [os.stat(p) for p in paths]
     entries: dict[Path, dict[str, dict[str, Any]]] = {}
