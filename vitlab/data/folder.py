@@ -76,7 +76,9 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
     the class folders. Without a validation folder, `val_fraction` of each class is held out by
     file-name hash (`val_fraction=0` disables validation). Beside a train folder, `root/test` is a
     test split: never used for model selection, evaluated by `vitlab test` (which otherwise
-    evaluates the validation data). Images of any mode load as RGB.
+    evaluates the validation data). Images of any mode load as RGB. Each folder's file list is walked
+    once (`prepare_data`, one process per node) into `fileindex.json` (vitlab.data.shard_index), which
+    later starts and the other ranks read; a class folder whose mtime changed is walked again.
     `labels=False`: images at any depth of the train (and val) folder, class folders or not, label -1
     (self-supervised pretraining; see vitlab.data.unlabelled).
     """

@@ -399,6 +399,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     `train_shards` / `val_shards`: a folder, glob or brace pattern (several joined with '::').
     Class names come from `classes.txt` beside the train shards, else `num_classes` or the labels.
     Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out.
+    Shards are counted once into `shardindex.json` (`prepare_data`; `vitlab index-shards` ahead of time).
     `num_samples` (train samples in all shards) skips counting the train shards; see the module doc.
     Rank and world size come from the trainer / torch.distributed; `dataset()` also takes them
     explicitly. `source` names the public dataset (vitlab.data.public) to fetch into the parent of
