@@ -108,6 +108,22 @@ def test_config_yaml_reruns_as_a_recipe(runs: dict[str, Any]) -> None:
         torch.testing.assert_close(b["state_dict"][key], value, rtol=0, atol=0, msg=key)
 
 
+def test_last_if_present_starts_fresh_then_resume_continues(image_folder: Path, tmp_path: Path) -> None:
+    """`--ckpt_path last-if-present` in an empty run folder starts fresh; `--ckpt_path last` then resumes
+    from its last.ckpt. The record says last-if-present both times, so it reruns in a fresh folder too."""
+    model = {"arch": "vit_tiny_patch16", "model_args": MODEL_ARGS}
+    recipe = write_recipe(tmp_path / "recipe.yaml", image_folder, model)
+    run = tmp_path / "run"
+    args = ["--config", str(recipe), "--run_dir", str(run)]
+    out = fit(tmp_path, "fresh", [*args, "--ckpt_path", "last-if-present"])
+    assert ckpt(run)["global_step"] == 2 and "Restored all states" not in out
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == "last-if-present"
+    out = fit(tmp_path, "resume", [*args, "--ckpt_path", "last", "--trainer.max_steps", "4"])
+    assert f"Restored all states from the checkpoint at {run}/checkpoints/last.ckpt" in out
+    assert ckpt(run)["global_step"] == 4
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == "last-if-present"
+
+
 def _assert_loads(cls: type, run: Path) -> Any:
     """`cls.load_from_checkpoint(last.ckpt)` rebuilds the module with the saved weights."""
     saved = ckpt(run)

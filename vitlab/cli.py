@@ -121,7 +121,9 @@ class VitlabCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         args = _expand_data_path(list(sys.argv[1:] if args is None else args))
         sub = getattr(self, "_subcommand_parsers", {}).get(args[0]) if args else None
-        top_keys = sorted({a.dest.split(".")[0] for a in sub._actions} - {"help", "config", "print_config"}) if sub else None
+        top_keys = None
+        if sub is not None:  # the keys this subcommand's config takes, checkpoint_every_n_steps included
+            top_keys = sorted({a.dest.split(".")[0] for a in sub._actions} - {"help", "config", "print_config"})
         _check_config_args(args, top_keys)
         self.config = parser.parse_args(args)
 
@@ -131,7 +133,8 @@ class VitlabCLI(LightningCLI):
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         if trainer_cfg.get("logger") in (None, True):
-            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), getattr(self, "resume_from", None))
+            resume_from = getattr(self, "resume_from", None)
+            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), resume_from)
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
         every_n = self._get(self.config, "checkpoint_every_n_steps")
@@ -142,7 +145,7 @@ class VitlabCLI(LightningCLI):
         kwargs["default_root_dir"] = str(run_dir)
         try:
             return super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as exc:  # Lightning's own check of the trainer settings
+        except (MisconfigurationException, ImportError) as exc:  # Lightning's own checks of the trainer settings
             raise UserError(f"the trainer settings do not work here: {exc} Fix the recipe's trainer: section "
                             "or the --trainer.* options") from exc  # fmt: skip
 
