@@ -107,7 +107,6 @@ class VitlabCLI(LightningCLI):
                 f"trains on labels; {NO_LABELS_FIX}"
             )
         _check_optimizer_args(cfg.get("model.init_args"))
-        _check_accelerator(cfg.get("trainer.accelerator"))
         self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"))
         if cfg.get("ckpt_path") == LAST:  # the record must rerun in a fresh folder too
             cfg["ckpt_path"] = LAST_IF_PRESENT
@@ -132,6 +131,7 @@ class VitlabCLI(LightningCLI):
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
+        _check_accelerator(trainer_cfg.get("accelerator"))
         if trainer_cfg.get("logger") in (None, True):
             resume_from = getattr(self, "resume_from", None)
             kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), resume_from)
