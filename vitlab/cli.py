@@ -58,6 +58,8 @@ class VitlabCLI(LightningCLI):
     """`model:` may name any LightningModule by `class_path` (e.g. `vitlab.train.MaskedPatchPretraining`);
     a plain section, as every classifier recipe has (`model: {arch: ..., ...}`), configures `ViTClassifier`."""
 
+    resume_from: str | None = None  # the checkpoint the run starts from (`--ckpt_path` resolved)
+
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
             LightningModule,
@@ -133,8 +135,7 @@ class VitlabCLI(LightningCLI):
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         _check_accelerator(trainer_cfg.get("accelerator"))
         if trainer_cfg.get("logger") in (None, True):
-            resume_from = getattr(self, "resume_from", None)
-            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), resume_from)
+            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self.resume_from)
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
         every_n = self._get(self.config, "checkpoint_every_n_steps")
