@@ -1,6 +1,6 @@
-"""Secret redaction: credentials from the environment (and values under secret-looking keys) must never
+"""Secret redaction: credentials from the environment (and string values under credential keys) must never
 reach config.yaml, saved hyperparameters, checkpoints or log records, which are shared far more widely
-than the environment they came from."""
+than the environment they came from. Nothing else is rewritten: the record must rerun and reload as given."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def looks_like_secret(value: str) -> bool:
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values in `environ` (default: os.environ) that are credentials by their variable's name or by
-    their own shape, longest first."""
+    their provider's token prefix, longest first."""
     env = os.environ if environ is None else environ
     found = {
         v for k, v in env.items() if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or looks_like_secret(v))
