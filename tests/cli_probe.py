@@ -159,3 +159,12 @@ class StallOnRank(Callback):
     ) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             time.sleep(self.seconds)
+
+
+class HoldsCredential(Callback):
+    """A recipe callback that takes a credential (as an uploader or a tracker would) next to a model-like
+    `class_token` option: the run's record must keep the first out and the second as given."""
+
+    def __init__(self, api_key: str = "", class_token: bool = False) -> None:
+        self.api_key = api_key
+        self.class_token = class_token

@@ -51,3 +51,11 @@ def tinyimagenet_shards() -> Path:
 def imagenette_shards() -> Path:
     """Imagenette at 128px: train/ only (9,469 samples in 2 shards), classes.txt."""
     return _need(SHARED_DATA / "imagenette-128-shards")
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated ImageFolder tree, no real data needed: 3 classes, 8 train and 4 val 32x32 PNGs each."""
+    from helpers import image_tree
+
+    return image_tree(tmp_path_factory.mktemp("generated") / "images", ["red", "green", "blue"], 8, 4)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import subset_tree
+from helpers import image_tree
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,10 @@ def _folder(root: Path, img_size: int = 32) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cases(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], str]]:
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], str]]:
     """name -> (vitlab arguments, a regex the one-line message must match)."""
     tmp = tmp_path_factory.mktemp("errors")
-    data = subset_tree(cifar_subset, tmp / "data", ["cat", "dog"], 4, 2)
+    data = image_tree(tmp / "data", ["cat", "dog"], 4, 2)
     ok = _recipe(tmp / "ok.yaml", _folder(data))
     junk = tmp / "junk.pth"
     junk.write_bytes(b"not a checkpoint at all")
@@ -50,6 +50,8 @@ def cases(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     bad_key.write_text(yaml.safe_dump({"model": {"arch": "vit_tiny_patch16", "archh": "vit_tiny_patch16"}}))
     cifar = {"class_path": "vitlab.data.CIFARDataModule",
              "init_args": {"root": str(tmp / "no_cifar"), "download": False, "batch_size": 4}}  # fmt: skip
+    broken = tmp / "broken.yaml"
+    broken.write_text("model:\n  arch: vit_tiny_patch16\n  model_args: {depth: 1\n")  # an unclosed flow mapping
     run = ["--run_dir", str(tmp / "run")]
     return {
         "missing data path": (["fit", "--config", str(ok), *run, "--data_path", str(tmp / "nowhere")],
@@ -67,12 +69,32 @@ def cases(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
                              r"img_size 30x30 is not a multiple of patch_size 4; use e\.g\. 28x28 or 32x32"),
         "unwritable run folder": (["fit", "--config", str(ok), "--run_dir", str(tmp / "a_file" / "run")],
                                   rf"run folder {tmp}/a_file/run is not writable"),
+        "negative learning rate": (["fit", "--config", str(ok), *run, "--model.lr=-1"],
+                                   r"--model\.lr=-1\.0: the learning rate must be a positive number, "
+                                   r"e\.g\. --model\.lr=1e-3"),
+        # `_start` sets CUDA_VISIBLE_DEVICES="": no GPU is visible, as on a machine without one.
+        "GPU accelerator without a GPU": (["fit", "--config", str(ok), *run, "--trainer.accelerator=gpu"],
+                                          r"--trainer\.accelerator=gpu: this machine has no CUDA GPU .*"
+                                          r"accelerator auto"),
+        "trainer setting Lightning rejects": (["fit", "--config", str(ok), *run, "--trainer.devices=0"],
+                                              r"trainer settings do not work here: `Trainer\(devices='0'\)` .*Fix the "
+                                              r"recipe's trainer: section or the --trainer\.\* options"),
+        "missing recipe": (["fit", "--config", str(tmp / "recipes" / "oks.yaml"), *run],
+                           rf"--config {tmp}/recipes/oks\.yaml: no such file; give the path of a YAML recipe"),
+        "misspelt recipe": (["fit", "--config", str(tmp / "okk.yaml"), *run],
+                            rf"--config {tmp}/okk\.yaml: no such file; did you mean {tmp}/ok\.yaml\?"),
+        "recipe with a YAML syntax error": (["fit", "--config", str(broken), *run],
+                                            rf"--config {broken}: not valid YAML \(line 4, column 1: .*\); "
+                                            r"fix the recipe"),
+        "resume without last.ckpt": (["fit", "--config", str(ok), *run, "--ckpt_path=last"],
+                                     rf"--ckpt_path last: there is no last\.ckpt in {tmp}/run/checkpoints to resume "
+                                     r"from; check --run_dir, or use --ckpt_path last-if-present"),
     }
 
 
 def _start(args: list[str], log: Path, debug: bool = False) -> subprocess.Popen:
     """`python -m vitlab.cli ARGS`, stdout and stderr into `log` (a file: a full pipe would block it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # as on a machine without a GPU
     env.pop("VITLAB_DEBUG", None)
     if debug:
         env["VITLAB_DEBUG"] = "1"

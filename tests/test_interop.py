@@ -12,6 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import timm
+from helpers import perturb
+from timm.models.vision_transformer import _load_weights
 from vitlab.interop import CheckpointError, UnsafeCheckpointError, load_pretrained, save_pretrained
 from vitlab.models.vit import VisionTransformer
 
@@ -254,9 +257,12 @@ def test_malicious_pickle_is_refused(tmp_path: Path) -> None:
     assert isinstance(info.value, ValueError)
 
 
-def _npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
+def _google_npz(model: timm.models.vision_transformer.VisionTransformer) -> dict[str, np.ndarray]:
+    """A timm ViT's weights in the layout of Google's ViT .npz files, written from timm's parameter names
+    as the inverse of each mapping in timm's `_load_weights` (flax kernels are [in, out], [kh, kw, in, out]
+    for the patch conv, attention kernels [dim, heads, head_dim] and [heads, head_dim, dim])."""
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    dim, heads = model.embed_dim, model.config["num_heads"]
+    dim, heads = model.embed_dim, model.blocks[0].attn.num_heads
     out = {
         "embedding/kernel": sd["patch_embed.proj.weight"].transpose(2, 3, 1, 0),
         "embedding/bias": sd["patch_embed.proj.bias"],
@@ -264,13 +270,14 @@ def _npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
         "Transformer/encoder_norm/scale": sd["norm.weight"], "Transformer/encoder_norm/bias": sd["norm.bias"],
         "head/kernel": sd["head.weight"].T, "head/bias": sd["head.bias"],
     }  # fmt: skip
-    for i in range(model.config["depth"]):
+    for i in range(len(model.blocks)):
         b, bp = f"blocks.{i}.", f"Transformer/encoderblock_{i}/"
         mha = bp + "MultiHeadDotProductAttention_1/"
-        for j, part in enumerate(("query", "key", "value")):
-            out[f"{mha}{part}/kernel"] = sd[b + "attn.qkv.weight"][j * dim : (j + 1) * dim].T.reshape(dim, heads, -1)
-            out[f"{mha}{part}/bias"] = sd[b + "attn.qkv.bias"][j * dim : (j + 1) * dim].reshape(heads, -1)
-        out[f"{mha}out/kernel"] = sd[b + "attn.proj.weight"].T.reshape(heads, -1, dim)
+        q, k, v = np.split(sd[b + "attn.qkv.weight"], 3)  # [out, in] each
+        for part, w, bias in zip(("query", "key", "value"), (q, k, v), np.split(sd[b + "attn.qkv.bias"], 3)):
+            out[f"{mha}{part}/kernel"] = w.T.reshape(dim, heads, -1)
+            out[f"{mha}{part}/bias"] = bias.reshape(heads, -1)
+        out[f"{mha}out/kernel"] = sd[b + "attn.proj.weight"].reshape(dim, heads, -1).transpose(1, 2, 0)
         out[f"{mha}out/bias"] = sd[b + "attn.proj.bias"]
         for src, dst in (("LayerNorm_0", "norm1"), ("LayerNorm_2", "norm2")):
             out[f"{bp}{src}/scale"], out[f"{bp}{src}/bias"] = sd[b + dst + ".weight"], sd[b + dst + ".bias"]
@@ -280,14 +287,34 @@ def _npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
     return out
 
 
-def test_npz_roundtrip_and_errors(tmp_path: Path) -> None:
-    model = _model()
-    arrays = _npz_arrays(model)
-    np.savez(tmp_path / "ok.npz", **arrays)
-    loaded = load_pretrained(tmp_path / "ok.npz")
+def _timm_vit() -> timm.models.vision_transformer.VisionTransformer:
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=3
+    ).eval()
+
+
+def test_google_npz_loads_as_timm_reads_it(tmp_path: Path) -> None:
+    """The oracle is timm's `_load_weights` (its reader of Google's ViT .npz): it rebuilds the source
+    model from the file exactly, and vitlab's model from the same file gives timm's logits."""
+    source = perturb(_timm_vit())
+    np.savez(tmp_path / "vit.npz", **_google_npz(source))
+    reread = _timm_vit()
+    with torch.no_grad():
+        for p in reread.parameters():
+            p.zero_()
+    _load_weights(reread, str(tmp_path / "vit.npz"))
+    for key, value in source.state_dict().items():
+        assert torch.equal(reread.state_dict()[key], value), key
+    loaded = load_pretrained(tmp_path / "vit.npz")
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        assert (loaded(x) - model(x)).abs().max() <= 1e-5
+        expected = reread(x)
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=1e-5)
+    assert expected.std() > 0.1  # logits far from the zero-head start
+
+
+def test_npz_errors(tmp_path: Path) -> None:
+    arrays = _google_npz(perturb(_timm_vit()))
 
     bad = dict(arrays)
     bad["Transformer/encoderblock_1/MlpBlock_3/Dense_0/kernel"] = np.zeros((64, 100), np.float32)

@@ -30,7 +30,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from cli_probe import csv_rows, run_cli
-from helpers import subset_tree
+from helpers import image_tree
 from vitlab.cli import main
 from vitlab.data import ImageFolderDataModule
 from vitlab.models import create_model
@@ -135,9 +135,9 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tracked(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("tracked")
-    data = subset_tree(cifar_subset, tmp / "data", ["airplane", "frog", "truck"], 16, 6)
+    data = image_tree(tmp / "data", ["airplane", "frog", "truck"], 16, 6)
     recipe = write_recipe(tmp / "recipe.yaml", data)
     run, cwd = tmp / "run", tmp / "cwd"
     cwd.mkdir()
@@ -256,9 +256,9 @@ def test_everything_stays_in_the_run_folder(tracked: dict[str, Any]) -> None:
 
 
 def test_finetune_run_records_its_source(
-    tracked: dict[str, Any], cifar_subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tracked: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = subset_tree(cifar_subset, tmp_path / "data", ["cat", "dog"], 8, 4)
+    data = image_tree(tmp_path / "data", ["cat", "dog"], 8, 4)
     recipe = write_recipe(tmp_path / "ft.yaml", data, img_size=48)
     source = tracked["run"] / "checkpoints" / "last.ckpt"
     run, cwd = tmp_path / "run", tmp_path / "cwd"
@@ -321,10 +321,10 @@ def _fit_with(root: Path, tmp_path: Path, callbacks: list[Callback], epochs: int
     return module
 
 
-def test_figure_images_are_spread_over_the_classes(cifar_subset: Path, tmp_path: Path) -> None:
+def test_figure_images_are_spread_over_the_classes(tmp_path: Path) -> None:
     """A class-sorted validation folder (6 images per class): the first image of each class, then the
     second of each; not the first 6 files, which are all one class."""
-    root = subset_tree(cifar_subset, tmp_path / "data", ["airplane", "frog", "truck"], 4, 6)
+    root = image_tree(tmp_path / "data", ["airplane", "frog", "truck"], 4, 6)
     figures = ValidationFigures(num_images=6, save_png=False, confusion_matrix=False)
     _fit_with(root, tmp_path, [figures])
     dm = ImageFolderDataModule(root=str(root), img_size=32, batch_size=4, num_workers=0)
@@ -347,12 +347,10 @@ class HeadAtValidationEnd(Callback):
             self.heads.append(pl_module.model.head.weight.detach().clone())
 
 
-def test_figures_are_drawn_from_the_validated_ema_weights(
-    cifar_subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_figures_are_drawn_from_the_validated_ema_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """EMA swaps its weights in for validation and back at the validation epoch's end; the figures
     callback sits after EMA (so EMA's swap-back runs first) and must still draw from the EMA weights."""
-    root = subset_tree(cifar_subset, tmp_path / "data", ["airplane", "frog", "truck"], 8, 2)
+    root = image_tree(tmp_path / "data", ["airplane", "frog", "truck"], 8, 2)
     drawn: list[torch.Tensor] = []
 
     def spy(model: Any, x: torch.Tensor) -> Any:

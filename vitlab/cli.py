@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
@@ -26,10 +28,18 @@ from vitlab.data.unlabelled import NO_LABELS_FIX
 from vitlab.interop.export import FORMATS
 from vitlab.models import VisionTransformer
 from vitlab.train import ViTClassifier
+from vitlab.train.run_defaults import checkpoint_dir
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
 TOOLS = ("predict", "explain", "inspect", "export")
 DEFAULT_MODEL = "vitlab.train.ViTClassifier"  # the LightningModule of a `model:` section without a class_path
+# `--ckpt_path last` resumes from <run_dir>/checkpoints/last.ckpt and fails when there is none;
+# `--ckpt_path last-if-present` resumes when it is there and starts fresh when not (Lightning's own "last"
+# only warns and starts fresh, which hides a mistyped run_dir behind a run that starts over).
+LAST, LAST_IF_PRESENT = "last", "last-if-present"
+# The top-level keys of a `fit` config (the subcommand parser's own list is used where it is at hand).
+TOP_KEYS = ["seed_everything", "trainer", "model", "data", "run_dir", "loggers", "checkpoint_every_n_steps",
+            "optimizer", "lr_scheduler", "ckpt_path", "weights_only"]  # fmt: skip
 
 
 class SaveRunConfig(SaveConfigCallback):
@@ -47,6 +57,8 @@ class SaveRunConfig(SaveConfigCallback):
 class VitlabCLI(LightningCLI):
     """`model:` may name any LightningModule by `class_path` (e.g. `vitlab.train.MaskedPatchPretraining`);
     a plain section, as every classifier recipe has (`model: {arch: ..., ...}`), configures `ViTClassifier`."""
+
+    resume_from: str | None = None  # the checkpoint the run starts from (`--ckpt_path` resolved)
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -96,10 +108,24 @@ class VitlabCLI(LightningCLI):
                 f"error: the data is configured without labels (labels: false) but {model_cls.__name__} "
                 f"trains on labels; {NO_LABELS_FIX}"
             )
+        _check_optimizer_args(cfg.get("model.init_args"))
+        self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"))
+        if cfg.get("ckpt_path") == LAST:  # the record must rerun in a fresh folder too
+            cfg["ckpt_path"] = LAST_IF_PRESENT
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if "ckpt_path" in cfg:
+            cfg["ckpt_path"] = self.resume_from  # what Trainer.fit/validate/test receives
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         args = _expand_data_path(list(sys.argv[1:] if args is None else args))
-        _check_config_args(args)
+        sub = getattr(self, "_subcommand_parsers", {}).get(args[0]) if args else None
+        top_keys = None
+        if sub is not None:  # the keys this subcommand's config takes, checkpoint_every_n_steps included
+            top_keys = sorted({a.dest.split(".")[0] for a in sub._actions} - {"help", "config", "print_config"})
+        _check_config_args(args, top_keys)
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -107,9 +133,9 @@ class VitlabCLI(LightningCLI):
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
+        _check_accelerator(trainer_cfg.get("accelerator"))
         if trainer_cfg.get("logger") in (None, True):
-            names, ckpt_path = self._get(self.config, "loggers"), self._get(self.config, "ckpt_path")
-            kwargs["logger"] = run_loggers(run_dir, names, ckpt_path)
+            kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self.resume_from)
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
         every_n = self._get(self.config, "checkpoint_every_n_steps")
@@ -118,7 +144,53 @@ class VitlabCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         kwargs["plugins"] = [*plugins, *run_plugins(plugins)]
         kwargs["default_root_dir"] = str(run_dir)
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ImportError) as exc:  # Lightning's own checks of the trainer settings
+            raise UserError(f"the trainer settings do not work here: {exc} Fix the recipe's trainer: section "
+                            "or the --trainer.* options") from exc  # fmt: skip
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | None) -> str | None:
+    """What Trainer.fit gets for `--ckpt_path`: `last` must find <run_dir>/checkpoints/last.ckpt (a user
+    who asked to resume must not silently start over); `last-if-present` resumes from it when it is there."""
+    if ckpt_path not in (LAST, LAST_IF_PRESENT):
+        return ckpt_path
+    last = checkpoint_dir(run_dir or ".") / "last.ckpt"
+    if last.is_file():
+        return LAST
+    if ckpt_path == LAST_IF_PRESENT:
+        return None
+    raise UserError(
+        f"--ckpt_path last: there is no last.ckpt in {last.parent} to resume from; check --run_dir, "
+        f"or use --ckpt_path {LAST_IF_PRESENT} to start fresh when there is none"
+    )
+
+
+def _check_optimizer_args(init_args: Any) -> None:
+    """The optimizer settings torch would reject only when the optimizer is built, with a traceback."""
+    if not init_args:
+        return
+    lr = init_args.get("lr")
+    if isinstance(lr, (int, float)) and not lr > 0:
+        raise UserError(f"--model.lr={lr}: the learning rate must be a positive number, e.g. --model.lr=1e-3")
+    for key, example in (("weight_decay", "0.05 (0 turns it off)"), ("momentum", "0.9")):
+        value = init_args.get(key)
+        if isinstance(value, (int, float)) and value < 0:
+            raise UserError(f"--model.{key}={value}: {key} must be 0 or more, e.g. --model.{key}={example}")
+    betas = init_args.get("betas")
+    if isinstance(betas, (list, tuple)) and not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise UserError(f"--model.betas={list(betas)}: each beta must be in [0, 1), e.g. --model.betas=[0.9,0.999]")
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    """`--trainer.accelerator=gpu` (what `make ... GPUS=N` passes) needs a GPU torch can use."""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(
+            f"--trainer.accelerator={accelerator}: this machine has no CUDA GPU that torch can use "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False); run on a GPU machine, or drop "
+            "GPUS=/--trainer.accelerator to train on the CPU (accelerator auto)"
+        )
 
 
 def _data_args(path: str) -> list[str]:
@@ -218,11 +290,11 @@ def _import_class(class_path: str, where: str) -> type:
         ) from None
 
 
-def check_recipe(path: str) -> None:
-    """Reject recipe typos early, naming the key and listing the valid ones."""
-    cfg = yaml.safe_load(Path(path).read_text()) or {}
-    _reject_unknown(path, cfg, ["seed_everything", "trainer", "model", "data", "run_dir", "loggers",
-                                "optimizer", "lr_scheduler", "ckpt_path", "weights_only"])  # fmt: skip
+def check_recipe(path: str, top_keys: list[str] | None = None) -> None:
+    """Reject a recipe that cannot be read, and recipe typos early, naming the key and listing the valid ones
+    (`top_keys`: the parser's top-level keys; default `TOP_KEYS`)."""
+    cfg = read_recipe(path)
+    _reject_unknown(path, cfg, top_keys or TOP_KEYS)
     _reject_unknown(f"{path}: trainer", cfg.get("trainer"), _init_params(Trainer))
     model = cfg.get("model") or {}
     if isinstance(model, dict) and "class_path" in model:  # a named LightningModule: check its own arguments
@@ -242,12 +314,40 @@ def check_recipe(path: str) -> None:
         _reject_unknown(f"{path}: data.init_args", data.get("init_args"), _init_params(data_cls))
 
 
-def _check_config_args(argv: list[str]) -> None:
+def read_recipe(path: str) -> dict[str, Any]:
+    """The recipe at `path` as a mapping, or a one-line error saying why it cannot be one."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        folder = Path(path).parent
+        near = {p.stem: p for p in folder.rglob("*.yaml")} if folder.is_dir() else {}
+        close = difflib.get_close_matches(Path(path).stem, list(near), n=1, cutoff=0.6)
+        hint = f"did you mean {near[close[0]]}? " if close else ""
+        raise UserError(f"--config {path}: no such file; {hint}give the path of a YAML recipe, "
+                        "e.g. recipes/pretrain/*.yaml") from None  # fmt: skip
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
+        raise UserError(f"--config {path}: cannot be read as a YAML recipe ({exc}); give a recipe file") from None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"--config {path}: not valid YAML ({where}{problem}); fix the recipe there") from None
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, dict):
+        raise UserError(f"--config {path}: a recipe is a YAML mapping (trainer:, model:, data:, ...), "
+                        f"not a {type(cfg).__name__}")  # fmt: skip
+    return cfg
+
+
+def _check_config_args(argv: list[str], top_keys: list[str] | None = None) -> None:
     for i, arg in enumerate(argv):
         if arg in ("-c", "--config") and i + 1 < len(argv):
-            check_recipe(argv[i + 1])
+            check_recipe(argv[i + 1], top_keys)
         elif arg.startswith("--config="):
-            check_recipe(arg.split("=", 1)[1])
+            check_recipe(arg.split("=", 1)[1], top_keys)
 
 
 def _positive_int(text: str) -> int:

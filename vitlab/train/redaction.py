@@ -1,6 +1,6 @@
-"""Secret redaction: credentials from the environment (and values under secret-looking keys) must never
+"""Secret redaction: credentials from the environment (and string values under credential keys) must never
 reach config.yaml, saved hyperparameters, checkpoints or log records, which are shared far more widely
-than the environment they came from."""
+than the environment they came from. Nothing else is rewritten: the record must rerun and reload as given."""
 
 from __future__ import annotations
 
@@ -27,24 +27,25 @@ _SECRET_ENV = re.compile(
     r"|PRIVATE_?KEY|AUTH)(?:_|$)",
     re.IGNORECASE,
 )
-# Values that are credentials by their shape, whatever the variable is called: provider-prefixed tokens
-# (hf_, ghp_, github_pat_, glpat-, xoxb-, sk-), AWS access key ids, JWTs, long hex keys (wandb's are 40).
+# Values that are credentials by a provider's documented prefix, whatever the variable is called:
+# Hugging Face (hf_), GitHub (ghp_, gho_, ..., github_pat_), GitLab (glpat-), Slack (xoxb-...), AWS access
+# key ids, JWTs. Nothing else is judged by its shape: a commit hash, a run id or a hub revision in the
+# environment is not a credential, and rewriting it would change the run's record.
 _SECRET_SHAPES = re.compile(
-    r"(?:hf|gh[pousr]|github_pat|glpat|xox[abposr]|sk|rk)[_-][A-Za-z0-9_-]{16,}"
+    r"(?:hf|gh[pousr])_[A-Za-z0-9]{30,}"
+    r"|github_pat_[A-Za-z0-9_]{50,}"
+    r"|glpat-[A-Za-z0-9_-]{20,}"
+    r"|xox[abposr]-[A-Za-z0-9-]{20,}"
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
-    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
-    r"|[0-9a-fA-F]{32,}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
 )
-# Any other long random-looking token: 20+ characters of a key alphabet (no path separators, no spaces)
-# mixing upper case, lower case and digits, that switches between those kinds at 45% or more of its
-# characters. Random base62 switches at about 62%; CamelCase names with a number
-# ("ImageNet21kTrainSplit2024") at 25-42%, because words are long runs of lower case.
-_TOKEN_CHARS = re.compile(r"[A-Za-z0-9+=_-]{20,}")
-_MIN_TOKEN_SWITCHES = 0.45
-# Config / hparam keys whose value is a credential whatever it looks like.
+# Config / hparam keys whose (string) value is a credential: the credential word ends the key
+# ("api_key", "wandb_api_key", "db_password", "secret"), and a token only when it is one by name
+# ("token", "hf_token", "auth_token"): class_token, mask_token or a tokenizer's pad_token are not.
 _SECRET_KEY = re.compile(
-    r"(?:^|[-_.])(?:api[-_]?key|apikey|token|secret|password|passwd|pass|credentials?|access[-_]?key"
-    r"|private[-_]?key)(?:$|[-_.])",
+    r"(?:^|.*[-_])(?:api[-_]?key|apikey|secret|secret[-_]key|password|passwd|passphrase|credentials?"
+    r"|access[-_]?key|private[-_]?key)"
+    r"|(?:(?:hf|hub|api|auth|access|bearer|refresh|oauth|github|gh|gitlab|wandb|slack|use[-_]auth)[-_])?token",
     re.IGNORECASE,
 )
 # user:password@ inside a URL.
@@ -54,22 +55,13 @@ _MIN_SECRET_LEN = 8
 
 
 def looks_like_secret(value: str) -> bool:
-    """True when `value` has the shape of a credential (see `_SECRET_SHAPES`, `_TOKEN_CHARS`)."""
-    value = value.strip()
-    if _SECRET_SHAPES.fullmatch(value):
-        return True
-    if not _TOKEN_CHARS.fullmatch(value):
-        return False
-    if not (re.search(r"[a-z]", value) and re.search(r"[A-Z]", value) and re.search(r"[0-9]", value)):
-        return False
-    kinds = ["a" if c.islower() else "A" if c.isupper() else "0" if c.isdigit() else "." for c in value]
-    switches = sum(a != b for a, b in zip(kinds, kinds[1:]))
-    return switches >= _MIN_TOKEN_SWITCHES * (len(value) - 1)
+    """True when `value` is a credential by its provider's prefix (see `_SECRET_SHAPES`)."""
+    return bool(_SECRET_SHAPES.fullmatch(value.strip()))
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values in `environ` (default: os.environ) that are credentials by their variable's name or by
-    their own shape, longest first."""
+    their provider's token prefix, longest first."""
     env = os.environ if environ is None else environ
     found = {
         v for k, v in env.items() if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or looks_like_secret(v))
@@ -77,8 +69,14 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-def _is_secret_key(key: Any) -> bool:
-    return isinstance(key, str) and bool(_SECRET_KEY.search(key.rsplit(".", 1)[-1]))
+def is_secret_key(key: Any) -> bool:
+    """True for a config key that names a credential (`api_key`, `token`, `hf_token`, `db_password`...)."""
+    return isinstance(key, str) and bool(_SECRET_KEY.fullmatch(key.rsplit(".", 1)[-1]))
+
+
+def _is_secret_item(key: Any, value: Any) -> bool:
+    # Only a string can be a credential: `class_token: false` or `token: null` stay as they are.
+    return isinstance(value, str) and bool(value) and is_secret_key(key)
 
 
 def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
@@ -100,7 +98,7 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
     if isinstance(obj, str):
         return redact_text(obj, secrets)
     if isinstance(obj, Mapping):
-        out = {k: REDACTED if _is_secret_key(k) and v is not None else _redact(v, secrets) for k, v in obj.items()}
+        out = {k: REDACTED if _is_secret_item(k, v) else _redact(v, secrets) for k, v in obj.items()}
         try:
             return type(obj)(out)  # AttributeDict, OrderedDict...
         except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
@@ -108,7 +106,7 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
     if hasattr(obj, "clone") and hasattr(obj, "items") and callable(getattr(obj, "items")):  # jsonargparse Namespace
         ns = obj.clone()
         for key, value in obj.items():
-            ns[key] = REDACTED if _is_secret_key(key) and value is not None else _redact(value, secrets)
+            ns[key] = REDACTED if _is_secret_item(key, value) else _redact(value, secrets)
         return ns
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_redact(v, secrets) for v in obj)
