@@ -49,8 +49,14 @@ def _grid(config: Mapping[str, Any]) -> list[int]:
 
 def _peek_source_config(path: str) -> dict[str, Any] | None:
     """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), for the
-    init log; None for formats that record none (timm, HF, torchvision, .npz)."""
-    p = Path(path)
+    init log; None for formats that record none (timm, HF, torchvision, .npz). A hub name or URL
+    is read from its cache."""
+    from vitlab.interop.hub import is_remote, resolve_source
+
+    try:
+        p = resolve_source(path).path if is_remote(path) else Path(path)
+    except Exception:  # noqa: BLE001 - this only feeds a log line
+        return None
     sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json") if p.suffix == ".safetensors" else None
     try:
         if sidecar is not None and sidecar.is_file():
@@ -67,7 +73,7 @@ def _dropped_tensors(path: str, kept: list[str]) -> list[str] | None:
     """The tensors of a vitlab Lightning `.ckpt` that the initialised model does not take: a replaced
     head, a pretraining objective's own parts (masked patch prediction's `mask_token`, `mpp_head.*`).
     For the init log; None for other formats, whose loaders take every tensor or fail."""
-    p = Path(path)
+    p = Path(path)  # a hub name or URL is never a Lightning checkpoint
     if p.suffix != ".ckpt" or not p.is_file():
         return None
     try:  # mmap: only the tensor index is read
@@ -182,8 +188,12 @@ class ViTClassifier(L.LightningModule):
         return model
 
     def _init_from_pretrained(self, path: str, args: dict[str, Any]) -> VisionTransformer:
-        from vitlab.interop import load_pretrained  # written alongside; imported only when used
+        from vitlab.interop import load_pretrained, resolve_source  # imported only when used
 
+        # A hub name or URL is fetched once and pinned (hf-hub:ORG/NAME@<commit>, URL#sha256=<hex>): the
+        # checkpoint's hyperparameters and the init summary then name exactly the weights this run started from.
+        path = resolve_source(path).pinned
+        self.hparams["init_from"] = path
         source = _peek_source_config(path)
         config = dict(args)  # a new input size or class count resamples / replaces, the rest builds the model
         expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
