@@ -78,7 +78,7 @@ def read_checkpoint(path: str | Path, name: str | None = None) -> RawCheckpoint:
     """The weights at `path` (a file or a folder holding one) and the configs beside them; `name`:
     how messages call it (`hf-hub:ORG/NAME@commit`), where the path is only a cache entry."""
     weights = resolve(path)
-    label = f"{name} ({weights.name})" if name else str(weights)
+    label = str(weights) if not name else name if name.endswith(weights.name) else f"{name} ({weights.name})"
     suffix = weights.suffix.lower()
     if suffix == ".safetensors":
         kind, obj = "safetensors", _read_safetensors(weights, label)

@@ -20,6 +20,7 @@ the training module records it as `init_from`, so a run repeats on the same weig
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.client
 import os
@@ -215,7 +216,8 @@ def _resolve_url(source: str) -> Resolved:
     if not name.lower().endswith(URL_SUFFIXES):
         raise SourceError(f"{label}: not a weights file vitlab reads; the URL must end in {', '.join(URL_SUFFIXES)}")
     expected = _expected_hash(fragment, name, label)
-    folder = url_cache_dir() / hashlib.sha256(url.encode()).hexdigest()[:16]
+    plain, auth = _split_credentials(url)
+    folder = url_cache_dir() / hashlib.sha256(plain.encode()).hexdigest()[:16]
     dst = folder / name
     if dst.is_file():
         digest = _digest_of(dst)
@@ -230,8 +232,18 @@ def _resolve_url(source: str) -> Resolved:
                 f"{label} is not in the download cache ({folder}) and downloads are off (HF_HUB_OFFLINE=1); "
                 "download it where the network is reachable, or give a local path"
             )
-        digest = _download(url, dst, expected, label)
+        digest = _download(plain, auth, dst, expected, label)
     return Resolved(dst, source, f"{url}#sha256={digest}", digest, label)
+
+
+def _split_credentials(url: str) -> tuple[str, str | None]:
+    """`scheme://user:password@host/...` -> (the URL without them, a Basic Authorization header)."""
+    p = urllib.parse.urlsplit(url)
+    if p.username is None:
+        return url, None
+    host = (p.hostname or "") + (f":{p.port}" if p.port else "")
+    user = urllib.parse.unquote(p.username) + ":" + urllib.parse.unquote(p.password or "")
+    return urllib.parse.urlunsplit(p._replace(netloc=host)), "Basic " + base64.b64encode(user.encode()).decode()
 
 
 def _expected_hash(fragment: str, name: str, label: str) -> str | None:
@@ -264,7 +276,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _download(url: str, dst: Path, expected: str | None, label: str) -> str:
+def _download(url: str, auth: str | None, dst: Path, expected: str | None, label: str) -> str:
     """Stream into a temporary file beside `dst`, check its length and hash, rename into place.
 
     Not `torch.hub.download_url_to_file`: it accepts a body cut short when no hash is known. Any
@@ -276,7 +288,8 @@ def _download(url: str, dst: Path, expected: str | None, label: str) -> str:
     try:
         h, size = hashlib.sha256(), 0
         with os.fdopen(fd, "wb") as f:
-            request = urllib.request.Request(url, headers={"User-Agent": "vitlab"})
+            headers = {"User-Agent": "vitlab", **({"Authorization": auth} if auth else {})}
+            request = urllib.request.Request(url, headers=headers)
             with urllib.request.urlopen(request, timeout=60) as response:
                 length = response.headers.get("Content-Length")
                 while chunk := response.read(_CHUNK):
