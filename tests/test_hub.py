@@ -79,17 +79,19 @@ def timm_repo(hub: Path, tmp_path: Path, repo: str = "acme/vit-tiny-timm", std: 
 
 
 def _tiny_hf_config(cls: type, **kw: object) -> object:
+    labels = {"id2label": dict(enumerate(NAMES)), "label2id": {n: i for i, n in enumerate(NAMES)}}
     return cls(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
-               patch_size=8, num_labels=3, id2label=dict(enumerate(NAMES)), label2id={n: i for i, n in enumerate(NAMES)},
-               **kw)  # fmt: skip
+               patch_size=8, num_labels=3, **labels, **kw)  # fmt: skip
 
 
 def hf_repo(hub: Path, tmp_path: Path, deit: bool = False) -> tuple[str, torch.nn.Module]:
     if deit:
         repo = "acme/deit-tiny-distilled"
         peer = transformers.DeiTForImageClassificationWithTeacher(_tiny_hf_config(transformers.DeiTConfig))
-        processor = transformers.DeiTImageProcessor(size={"height": 40, "width": 40}, crop_size={"height": 32, "width": 32},
-                                                    image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])  # fmt: skip
+        processor = transformers.DeiTImageProcessor(
+            size={"height": 40, "width": 40}, crop_size={"height": 32, "width": 32},
+            image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+        )  # fmt: skip
     else:
         repo = "acme/vit-tiny-hf"
         peer = transformers.ViTForImageClassification(_tiny_hf_config(transformers.ViTConfig))
@@ -123,7 +125,9 @@ def test_timm_repo_matches_timm_reading_the_same_cache(hub: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("deit", [False, True], ids=["vit", "deit_distilled"])
-def test_transformers_repo_matches_from_pretrained_reading_the_same_cache(hub: Path, tmp_path: Path, deit: bool) -> None:
+def test_transformers_repo_matches_from_pretrained_reading_the_same_cache(
+    hub: Path, tmp_path: Path, deit: bool
+) -> None:
     repo, _ = hf_repo(hub, tmp_path, deit)
     ours = load_pretrained(f"hf-hub:{repo}")
     cls = transformers.DeiTForImageClassificationWithTeacher if deit else transformers.ViTForImageClassification
@@ -164,7 +168,9 @@ def _image(path: Path, size: int = 48) -> Path:
     return path
 
 
-def _command_line(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def _command_line(
+    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
     """`vitlab ARGS` as the console script runs it (user errors: one line, exit code 1), in this process."""
     monkeypatch.setattr(sys, "argv", ["vitlab", *args])
     monkeypatch.delenv("VITLAB_DEBUG", raising=False)
@@ -405,3 +411,17 @@ def test_fit_from_a_hub_name_swaps_the_head_resamples_and_records_the_revision(h
     for k in ("blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight", "patch_embed.proj.weight"):
         assert (sd[f"model.{k}"] - src[k]).abs().max() < 0.01, k
     assert ckpt["vitlab"]["data_config"]["class_names"] == ["ants", "bees"]
+
+
+def test_distillation_teacher_by_hub_name_is_read_from_the_cache_and_pinned(hub: Path, tmp_path: Path) -> None:
+    from vitlab.train.distill import DistillClassifier
+
+    peer = timm_repo(hub, tmp_path)
+    student_args = {"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8, "distilled": True}
+    module = DistillClassifier(arch="vit_tiny_patch16", model_args=student_args, num_classes=3, img_size=32,
+                               teacher="hf-hub:acme/vit-tiny-timm")  # fmt: skip
+    module.setup("fit")
+    assert module.hparams["teacher"] == f"hf-hub:acme/vit-tiny-timm@{COMMIT}"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (module.teacher(x) - peer(x)).abs().max() <= 1e-4

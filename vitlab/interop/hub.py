@@ -58,8 +58,7 @@ class Resolved:
 
 
 def is_remote(source: str | os.PathLike[str]) -> bool:
-    text = str(source)
-    return text.startswith(HUB_PREFIX) or text.startswith(("https://", "http://"))
+    return str(source).startswith((HUB_PREFIX, "https://", "http://"))
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Resolved:

@@ -41,8 +41,9 @@ def load_pretrained(
     `path`: a vitlab `save_pretrained` folder or its `model.safetensors`, a vitlab Lightning `.ckpt`,
     a timm / HF transformers / torchvision state dict (`.pth`, `.bin`, `.safetensors`) or a Google
     `.npz`; or a public one by name: `hf-hub:ORG/NAME[@REVISION]` (a timm or transformers repo) or
-    an `https://` URL of such a file, fetched once into its cache (`vitlab.interop.hub`). The format is detected from the tensor names and the architecture inferred from their
-    shapes. `config`: `VisionTransformer` constructor arguments, the same word as `model.config`; they
+    an `https://` URL of such a file, fetched once into its cache (`vitlab.interop.hub`). The
+    format is detected from the tensor names and the architecture inferred from their shapes.
+    `config`: `VisionTransformer` constructor arguments, the same word as `model.config`; they
     set what shapes cannot tell (`num_heads` for torch formats, `img_size` for a non-square grid,
     `in_chans`) and override the rest (`drop_path_rate`...).
 
