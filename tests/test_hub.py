@@ -69,10 +69,17 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def timm_repo(hub: Path, tmp_path: Path, repo: str = "acme/vit-tiny-timm", std: float = 0.02) -> torch.nn.Module:
-    peer = perturb(timm.create_model("vit_tiny_patch16_224", **TINY_ARGS), std)
+# A ResNet-stem hybrid (timm's R+ViT-Ti/16, root conv only): 64px -> stride-4 map -> 8x8 projection, 2x2 grid.
+HYBRID_ARGS = dict(img_size=64, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+
+
+def timm_repo(
+    hub: Path, tmp_path: Path, repo: str = "acme/vit-tiny-timm", std: float = 0.02, arch: str = "vit_tiny_patch16_224"
+) -> torch.nn.Module:
+    args = HYBRID_ARGS if "_r_" in arch else TINY_ARGS
+    peer = perturb(timm.create_model(arch, **args), std)
     folder = tmp_path / "timm_export"
-    save_for_hf(peer, str(folder), model_config={"label_names": NAMES}, model_args=TINY_ARGS,
+    save_for_hf(peer, str(folder), model_config={"label_names": NAMES}, model_args=args,
                 safe_serialization="both")  # fmt: skip
     put_repo(hub, repo, folder)
     return peer
@@ -108,15 +115,20 @@ def hf_repo(hub: Path, tmp_path: Path, deit: bool = False) -> tuple[str, torch.n
 # ---- names that resolve, and parity with the peers' own hub loaders ----------------------------------
 
 
-def test_timm_repo_matches_timm_reading_the_same_cache(hub: Path, tmp_path: Path) -> None:
-    timm_repo(hub, tmp_path)
+@pytest.mark.parametrize("arch", ["vit_tiny_patch16_224", "vit_tiny_r_s16_p8_224"], ids=["vit", "hybrid"])
+def test_timm_repo_matches_timm_reading_the_same_cache(hub: Path, tmp_path: Path, arch: str) -> None:
+    timm_repo(hub, tmp_path, arch=arch)
     ours = load_pretrained("hf-hub:acme/vit-tiny-timm")
     theirs = timm.create_model("hf-hub:acme/vit-tiny-timm", pretrained=True).eval()
-    x = torch.randn(2, 3, 32, 32)
+    size = (HYBRID_ARGS if "_r_" in arch else TINY_ARGS)["img_size"]
+    x = torch.randn(2, 3, size, size)
     with torch.no_grad():
         assert (ours(x) - theirs(x)).abs().max() <= 1e-4
     assert ours.data_config["class_names"] == NAMES
     assert ours.data_config["mean"] == list(theirs.pretrained_cfg["mean"])
+    if "_r_" in arch:
+        assert ours.config["stem"] == "resnet"
+        return
     # A revision: the commit itself, and the branch that points at it.
     for rev in (COMMIT, "main"):
         pinned = resolve_source(f"hf-hub:acme/vit-tiny-timm@{rev}")
