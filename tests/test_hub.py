@@ -415,7 +415,7 @@ def test_fit_from_a_hub_name_swaps_the_head_resamples_and_records_the_revision(h
     assert ckpt["hyper_parameters"]["init_from"] == pinned and ckpt["global_step"] == 2
     hparams = yaml.safe_load(next(run.rglob("hparams.yaml")).read_text())
     assert hparams["finetune/init_from"] == pinned
-    assert hparams["finetune/pos_embed_grid"].endswith("-> 6x6") and hparams["finetune/num_classes"].endswith("-> 2")
+    assert hparams["finetune/pos_embed_grid"] == "4x4 -> 6x6" and hparams["finetune/num_classes"] == "3 -> 2"
     sd = ckpt["state_dict"]
     assert sd["model.pos_embed"].shape == (1, 1 + 36, 32) and sd["model.head.weight"].shape == (2, 32)
     # Two steps at lr 1e-3 with clipping move a weight by < 0.01; the source's differ from a fresh init by ~0.1.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
+import json
 import os
 import re
 import tempfile
@@ -32,6 +33,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vitlab.interop.errors import SourceError
 
@@ -128,6 +130,35 @@ def _hub_file(repo: str, name: str, revision: str | None) -> Path | None:
         if cached is not None:  # huggingface_hub's marker: the commit has no such file
             return None
     return Path(hf_hub_download(repo, name, revision=revision))
+
+
+def peek_hub_config(config_json: Path) -> dict[str, Any] | None:
+    """Input size, patch size, class count and distillation of a hub repo's model, from its timm or
+    transformers `config.json`, for the init log; None where it does not say."""
+    try:
+        cfg = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    if "architecture" in cfg:  # timm
+        pc = cfg.get("pretrained_cfg") if isinstance(cfg.get("pretrained_cfg"), dict) else cfg
+        args = cfg.get("model_args") if isinstance(cfg.get("model_args"), dict) else {}
+        match = re.search(r"patch(\d+)", str(cfg["architecture"]))
+        patch = args.get("patch_size") or (int(match.group(1)) if match else None)
+        size = pc.get("input_size")
+        if not patch or not (isinstance(size, list) and len(size) == 3):
+            return None
+        return {"img_size": size[1:], "patch_size": int(patch), "num_classes": int(cfg.get("num_classes", 0)),
+                "distilled": "distilled" in str(cfg["architecture"])}  # fmt: skip
+    if cfg.get("model_type") in ("vit", "deit") and "image_size" in cfg and "patch_size" in cfg:  # transformers
+        architectures = [str(a) for a in cfg.get("architectures") or []]
+        classifies = any(a.endswith(("ForImageClassification", "WithTeacher")) for a in architectures)
+        size = cfg["image_size"]
+        return {"img_size": [size, size] if isinstance(size, int) else list(size), "patch_size": int(cfg["patch_size"]),
+                "num_classes": len(cfg.get("id2label") or {}) if classifies else 0,
+                "distilled": any(a.endswith("WithTeacher") for a in architectures)}  # fmt: skip
+    return None
 
 
 def hub_cache_dir() -> str:

@@ -48,20 +48,17 @@ def _grid(config: Mapping[str, Any]) -> list[int]:
 
 
 def _peek_source_config(path: str) -> dict[str, Any] | None:
-    """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), for the
-    init log; None for formats that record none (timm, HF, torchvision, .npz). A hub name or URL
-    is read from its cache."""
-    from vitlab.interop.hub import is_remote, resolve_source
+    """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), or the
+    input size, patch size and classes a timm / transformers `config.json` beside the weights states
+    (hub repos), for the init log; None for formats that record none (state dicts, .npz)."""
+    from vitlab.interop.hub import is_remote, peek_hub_config, resolve_source
 
     try:
-        p = resolve_source(path).path if is_remote(path) else Path(path)
-    except Exception:  # noqa: BLE001 - this only feeds a log line
-        return None
-    sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json") if p.suffix == ".safetensors" else None
-    try:
-        if sidecar is not None and sidecar.is_file():
+        p = resolve_source(path).path if is_remote(path) else Path(path)  # a hub name or URL: its cached file
+        sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json")
+        if sidecar.is_file() and (p.is_dir() or p.suffix in (".safetensors", ".bin")):
             meta = json.loads(sidecar.read_text())
-            return dict(meta["model"]) if meta.get("format") == "vitlab" else None
+            return dict(meta["model"]) if meta.get("format") == "vitlab" else peek_hub_config(sidecar)
         if p.suffix == ".ckpt" and p.is_file():  # mmap: only the small metadata is actually read
             return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["vitlab"]["model_config"])
     except Exception:  # noqa: BLE001 - this only feeds a log line
