@@ -32,7 +32,7 @@ from vitlab.interop.hub import parse_hub
 
 REPO = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-TINY_ARGS = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+TINY_ARGS = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2, "num_classes": 3}
 NAMES = ["cat", "dog", "bird"]
 
 
@@ -70,7 +70,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # A ResNet-stem hybrid (timm's R+ViT-Ti/16, root conv only): 64px -> stride-4 map -> 8x8 projection, 2x2 grid.
-HYBRID_ARGS = dict(img_size=64, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+HYBRID_ARGS = {"img_size": 64, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 3}
 
 
 def timm_repo(
@@ -157,6 +157,19 @@ def test_transformers_repo_matches_from_pretrained_reading_the_same_cache(
         assert ours.data_config["interpolation"] == "bilinear" and ours.data_config["crop_pct"] == 1.0
 
 
+def test_a_repo_with_pytorch_model_bin_only(hub: Path, tmp_path: Path) -> None:
+    peer = perturb(timm.create_model("vit_tiny_patch16_224", **TINY_ARGS))
+    folder = tmp_path / "bin_only"
+    save_for_hf(peer, str(folder), model_args=TINY_ARGS, safe_serialization=False)
+    assert not (folder / "model.safetensors").exists()
+    put_repo(hub, "acme/bin-only", folder)
+    resolved = resolve_source("hf-hub:acme/bin-only")
+    assert resolved.path.name == "pytorch_model.bin"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (load_pretrained("hf-hub:acme/bin-only")(x) - peer(x)).abs().max() <= 1e-4
+
+
 def test_hub_name_spelling() -> None:
     assert parse_hub("hf-hub:google/vit-base-patch16-224@v1.0") == ("google/vit-base-patch16-224", "v1.0")
     assert parse_hub("hf-hub:acme/x") == ("acme/x", None)
@@ -171,7 +184,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VITLAB_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "vitlab.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=300, check=False)  # fmt: skip
 
 
 def _image(path: Path, size: int = 48) -> Path:
@@ -248,10 +261,10 @@ class _FakeHub(http.server.BaseHTTPRequestHandler):
     """Answers as the Hub does for a missing repo (404 RepoNotFound), a gated one (403 GatedRepo) and a
     rejected token (401)."""
 
-    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+    def do_HEAD(self) -> None:
         self._answer()
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._answer()
 
     def _answer(self) -> None:
@@ -309,10 +322,12 @@ def test_missing_gated_and_unauthorised_repos_say_which_and_never_echo_the_token
 # ---- URLs ----------------------------------------------------------------------------------------------
 
 
-def _file_server(files: dict[str, bytes], cut: set[str]) -> type:
+def _file_server(files: dict[str, bytes], cut: set[str], seen: list[str | None] | None = None) -> type:
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            name = self.path.lstrip("/")
+        def do_GET(self) -> None:
+            if seen is not None:
+                seen.append(self.headers.get("Authorization"))
+            name = self.path.lstrip("/").split("?")[0]
             if name not in files:
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
@@ -381,10 +396,12 @@ def test_url_credentials_stay_out_of_messages(hub: Path, tmp_path: Path, serve: 
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    base = serve(_file_server({}, set()))
+    seen: list[str | None] = []
+    base = serve(_file_server({}, set(), seen))
     with pytest.raises(SourceError) as err:
         resolve_source(base.replace("http://", "http://user:pa55word@") + "/missing.safetensors?token=abc123")
     assert "404" in str(err.value) and "pa55word" not in str(err.value) and "abc123" not in str(err.value)
+    assert seen == ["Basic dXNlcjpwYTU1d29yZA=="]  # base64("user:pa55word"): sent to the server, not shown
 
 
 # ---- fine-tuning from a hub name -----------------------------------------------------------------------
