@@ -22,7 +22,7 @@ import torch
 import transformers
 import yaml
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from timm.models._hub import save_for_hf
 
 from helpers import perturb
@@ -155,6 +155,22 @@ def test_transformers_repo_matches_from_pretrained_reading_the_same_cache(
         assert ours.data_config["mean"] == pytest.approx([0.4, 0.45, 0.5])
         assert ours.data_config["std"] == pytest.approx([0.2, 0.25, 0.3])
         assert ours.data_config["interpolation"] == "bilinear" and ours.data_config["crop_pct"] == 1.0
+
+
+def test_transformers_vit_hybrid_repo_matches_transformers_4(hub: Path, tmp_path: Path) -> None:
+    """ViTHybridForImageClassification left transformers in 5.x; tests/data/vit_hybrid_tiny holds a tiny
+    random one written by transformers 4.44.2 (make_fixture.py) and its logits on a fixed input."""
+    fixture = Path(__file__).parent / "data" / "vit_hybrid_tiny"
+    folder = tmp_path / "hybrid"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((fixture / name).read_bytes())
+    put_repo(hub, "acme/vit-hybrid-tiny", folder)
+    model = load_pretrained("hf-hub:acme/vit-hybrid-tiny")
+    expected = load_file(str(fixture / "expected.safetensors"))
+    with torch.no_grad():
+        assert (model(expected["pixel_values"]) - expected["logits"]).abs().max() <= 1e-4
+    assert model.config["stem"] == "resnet" and model.data_config["class_names"] == NAMES
 
 
 def test_a_repo_with_pytorch_model_bin_only(hub: Path, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`) and DeiT (`DeiTModel`,
-`DeiTForImageClassification[WithTeacher]`): read their state dicts, `config.json` and
+"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`), DeiT (`DeiTModel`,
+`DeiTForImageClassification[WithTeacher]`) and ViT-hybrid (`ViTHybridForImageClassification`, a BiT
+ResNet stem; transformers 4.x): read their state dicts, `config.json` and
 `preprocessor_config.json`; export a vitlab model as a `ViTForImageClassification` folder.
 
 Two layouts are read: the one transformers 4.x used and 5.x still writes to disk
@@ -64,7 +65,11 @@ _IGNORED = ("embeddings.mask_token",)
 _PREFIXES = ("vit.", "deit.")
 # Classifiers -> vitlab heads: ViT's and DeiT's one head; DeiT-with-teacher's class and distillation heads.
 _HEADS = {"classifier": "head", "cls_classifier": "head", "distillation_classifier": "head_dist"}
-_MODEL_TYPES = ("vit", "deit")
+_MODEL_TYPES = ("vit", "deit", "vit-hybrid")
+# ViT-hybrid (`ViTHybridForImageClassification`, transformers 4.x): its BiT stem, in timm's and vitlab's names.
+_BIT = "embeddings.patch_embeddings.backbone.bit."
+_BIT_STEM = {"embedder.convolution.": "stem.conv.", "embedder.norm.": "stem.norm."}
+_BIT_BLOCK = re.compile(r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.(.+)$")
 
 
 def looks_like(keys: list[str]) -> bool:
@@ -79,6 +84,13 @@ def _sidecar_config(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dic
         return config, data
     if sidecar.get("hidden_act", "gelu") != "gelu":
         raise src.error(f"hidden_act={sidecar['hidden_act']!r}; vitlab's ViT uses exact GELU ('gelu')")
+    bit = sidecar.get("backbone_config") or {}
+    layer, padding = bit.get("layer_type", "bottleneck"), str(bit.get("global_padding", "SAME")).upper()
+    if layer != "bottleneck" or padding != "SAME":
+        raise src.error(
+            f"a BiT stem with layer_type={layer!r}, global_padding={padding!r}; vitlab's hybrid stem is the "
+            "paper's: bottleneck blocks without pre-activation, SAME padding"
+        )
     if "num_attention_heads" in sidecar:
         config["num_heads"] = int(sidecar["num_attention_heads"])
     if "layer_norm_eps" in sidecar:
@@ -149,6 +161,8 @@ def convert(
             src.skip(key)
         elif name in _TOP:
             conv.put(_TOP[name], src.take(key), key)
+        elif name.startswith(_BIT) and (ours := _bit_name(name[len(_BIT) :])):
+            conv.put(ours, src.take(key), key)
         elif m := _BLOCK.match(name):
             i, module, param = int(m.group(1)), m.group(2), m.group(3)
             if module in _SUB:
@@ -173,6 +187,17 @@ def convert(
                 conv.put(f"pre_logits.fc.{param}", src.take(key), key)
     src.finish()
     return conv
+
+
+def _bit_name(rest: str) -> str | None:
+    """A ViT-hybrid stem tensor's vitlab name (`embedder.convolution` -> `stem.conv`, `encoder.stages.I.
+    layers.J.*` -> `stages.I.blocks.J.*`); None for one vitlab's stem has no place for."""
+    for theirs, ours in _BIT_STEM.items():
+        if rest.startswith(theirs):
+            return f"patch_embed.backbone.{ours}{rest[len(theirs) :]}"
+    if m := _BIT_BLOCK.match(rest):
+        return f"patch_embed.backbone.stages.{m.group(1)}.blocks.{m.group(2)}.{m.group(3)}"
+    return None
 
 
 def _fuse_qkv(qkv: dict[tuple[int, str], dict[int, str]], src: Source, conv: Converted) -> None:
