@@ -97,6 +97,8 @@ def _resolve_hub(source: str) -> Resolved:
         try:
             path = _hub_file(repo, name, revision)
         except LocalEntryNotFoundError:  # not cached, and offline or the Hub is out of reach
+            if not found and not _offline():  # unreachable: each further file would wait out its timeout too
+                raise _offline_miss(repo, label) from None
             not_cached = True
             continue
         except EntryNotFoundError:  # the repo has no such file
