@@ -1,5 +1,5 @@
 """DeiT's distillation token (arXiv 2012.12877): the distilled model (two prefix tokens, two heads, the
-prediction as the mean of both softmax outputs), the loss on hand-computed cases, the frozen
+prediction as the mean of both heads' logits), the loss on hand-computed cases, the frozen
 teacher and its own input transform, and parity with timm's distilled DeiT."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def tiny_distilled(**kw: object) -> VisionTransformer:
     return VisionTransformer(**{"img_size": 32, "num_classes": 4, **STUDENT, **kw})
 
 
-def test_two_prefix_tokens_two_heads_and_the_mean_of_softmaxes() -> None:
+def test_two_prefix_tokens_two_heads_and_the_mean_of_logits() -> None:
     m = tiny_distilled(depth=2).eval()
     with torch.no_grad():  # heads start at zero-ish; make them differ
         m.head.weight.normal_(std=0.5), m.head_dist.weight.normal_(std=0.5)
@@ -47,9 +47,7 @@ def test_two_prefix_tokens_two_heads_and_the_mean_of_softmaxes() -> None:
         pred = m(x)
     torch.testing.assert_close(fast_cls, cls_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_dist, dist_logits, atol=1e-5, rtol=1e-5)
-    mean_probs = (cls_logits.softmax(-1) + dist_logits.softmax(-1)) / 2
-    torch.testing.assert_close(pred.softmax(-1), mean_probs, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(pred.exp().sum(-1), torch.ones(3))  # log-probabilities
+    torch.testing.assert_close(pred, (cls_logits + dist_logits) / 2, atol=1e-6, rtol=1e-5)  # DeiT, timm, HF
     assert not torch.allclose(cls_logits.softmax(-1), dist_logits.softmax(-1))
 
 
@@ -102,6 +100,21 @@ def test_soft_distillation_loss_hand_case() -> None:
     kl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
     assert dist_loss.item() == pytest.approx(tau * tau * kl)
     assert total.item() == pytest.approx(0.75 * math.log(2.0) + 0.25 * tau * tau * kl)
+
+
+def test_soft_distillation_kl_reductions_hand_case() -> None:
+    """batchmean: the summed KL over the batch size; deit (DeiT's code): over batch x classes."""
+    tau = 2.0
+    logits = torch.zeros(2, 2)  # the student at tau: (1/2, 1/2) for both samples
+    teacher = torch.tensor([[0.0, 2 * math.log(3.0)], [0.0, 0.0]])  # at tau: (1/4, 3/4), then (1/2, 1/2): KL 0
+    kl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)  # the first sample's; the second adds 0
+    label = torch.tensor([0, 1])
+    _, _, batchmean = distillation_loss(logits, logits, label, teacher, "soft", tau=tau)
+    _, _, deit = distillation_loss(logits, logits, label, teacher, "soft", tau=tau, kl_reduction="deit")
+    assert batchmean.item() == pytest.approx(tau * tau * kl / 2)
+    assert deit.item() == pytest.approx(tau * tau * kl / 4)
+    with pytest.raises(ValueError, match="distill_kl_reduction"):
+        distillation_loss(logits, logits, label, teacher, "soft", kl_reduction="mean")  # type: ignore[arg-type]
 
 
 def test_teacher_input_transform_hand_case() -> None:
@@ -160,6 +173,9 @@ def test_training_step_loss_is_the_stated_mix(tmp_path: Path) -> None:
         teacher_label = module.teacher(teacher_x).argmax(-1)
     expect = 0.5 * F.cross_entropy(cls_logits, y) + 0.5 * F.cross_entropy(dist_logits, teacher_label)
     assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+    # The training accuracy reads what the model predicts: the mean of the two heads' logits.
+    _, logged, _ = module.compute_loss(x, y)
+    torch.testing.assert_close(logged, (cls_logits + dist_logits) / 2, atol=1e-6, rtol=1e-5)
 
 
 def test_vit_teacher_through_load_pretrained_with_its_own_input_size(tmp_path: Path) -> None:
@@ -252,8 +268,7 @@ def test_distilled_deit_matches_timm_and_resizes_with_both_prefix_tokens() -> No
         ours_cls, ours_dist = model.forward_distilled(x)
         pred = model(x)
     assert (ours_cls - ref_cls).abs().max() <= 1e-4 and (ours_dist - ref_dist).abs().max() <= 1e-4
-    ref_pred = ((ref_cls.softmax(-1) + ref_dist.softmax(-1)) / 2).log()
-    assert (pred - ref_pred).abs().max() <= 1e-4
+    assert (pred - (ref_cls + ref_dist) / 2).abs().max() <= 1e-4
 
     big = timm.create_model("deit_tiny_distilled_patch16_224", num_classes=5, depth=2, img_size=384).eval()
     big.load_state_dict(checkpoint_filter_fn(peer.state_dict(), big))  # keeps both prefix tokens
@@ -265,6 +280,22 @@ def test_distilled_deit_matches_timm_and_resizes_with_both_prefix_tokens() -> No
         ours_cls, ours_dist = model.forward_distilled(x)
     assert (ours_cls - big.head(feats[:, 0])).abs().max() <= 1e-4
     assert (ours_dist - big.head_dist(feats[:, 1])).abs().max() <= 1e-4
+
+
+def test_timm_distilled_deit_loaded_predicts_timms_logits(tmp_path: Path) -> None:
+    """timm's deit_tiny_distilled_patch16_224 (random init) read through load_pretrained: timm's own
+    eval-mode logits (the mean of the two heads'), which the predictions of `vitlab predict` read."""
+    peer = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False)
+    with torch.no_grad():  # timm zero-initialises the heads: make them differ, so the mean is tested
+        for p in peer.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    peer.eval()
+    torch.save(peer.state_dict(), tmp_path / "deit.pth")
+    model = load_pretrained(tmp_path / "deit.pth")
+    assert model.distilled and model.num_classes == 1000
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert (model(x) - peer(x)).abs().max() <= 1e-4
 
 
 # ---- the recipe, through the CLI -------------------------------------------------------------------

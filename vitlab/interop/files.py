@@ -35,6 +35,12 @@ class RawCheckpoint:
     kind: str  # "torch" | "safetensors" | "npz"
     obj: Any  # torch: what torch.load returned; otherwise a dict name -> tensor / array
     sidecar: dict[str, Any] | None  # config.json next to the weights, if any
+    processor: dict[str, Any] | None = None  # a transformers preprocessor_config.json next to them, if any
+    name: str | None = None  # how messages name the checkpoint (a hub repo or URL), else the path
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.path)
 
 
 def resolve(path: str | Path) -> Path:
@@ -57,8 +63,8 @@ def resolve(path: str | Path) -> Path:
     )
 
 
-def read_sidecar(weights: Path) -> dict[str, Any] | None:
-    cfg = weights.parent / "config.json"
+def read_sidecar(weights: Path, filename: str = "config.json") -> dict[str, Any] | None:
+    cfg = weights.parent / filename
     if not cfg.is_file():
         return None
     try:
@@ -68,29 +74,33 @@ def read_sidecar(weights: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_checkpoint(path: str | Path) -> RawCheckpoint:
+def read_checkpoint(path: str | Path, name: str | None = None) -> RawCheckpoint:
+    """The weights at `path` (a file or a folder holding one) and the configs beside them; `name`:
+    how messages call it (`hf-hub:ORG/NAME@commit`), where the path is only a cache entry."""
     weights = resolve(path)
+    label = str(weights) if not name else name if name.endswith(weights.name) else f"{name} ({weights.name})"
     suffix = weights.suffix.lower()
     if suffix == ".safetensors":
-        kind, obj = "safetensors", _read_safetensors(weights)
+        kind, obj = "safetensors", _read_safetensors(weights, label)
     elif suffix == ".npz":
-        kind, obj = "npz", _read_npz(weights)
+        kind, obj = "npz", _read_npz(weights, label)
     else:
-        kind, obj = "torch", _read_torch(weights)
-    return RawCheckpoint(weights, kind, obj, read_sidecar(weights))
+        kind, obj = "torch", _read_torch(weights, label)
+    processor = read_sidecar(weights, "preprocessor_config.json")
+    return RawCheckpoint(weights, kind, obj, read_sidecar(weights), processor, label if name else None)
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, label: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"not a readable safetensors file: {e}", path=str(path)) from e
+        raise CheckpointError(f"not a readable safetensors file: {e}", path=label) from e
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
+def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
@@ -98,14 +108,14 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         if "allow_pickle" in str(e):
             raise UnsafeCheckpointError(
                 "the .npz holds object arrays (pickled Python objects); vitlab reads numeric arrays only",
-                path=str(path),
+                path=label,
             ) from e
-        raise CheckpointError(f"not a readable .npz file: {e}", path=str(path)) from e
+        raise CheckpointError(f"not a readable .npz file: {e}", path=label) from e
     except (OSError, EOFError) as e:
-        raise CheckpointError(f"not a readable .npz file: {e}", path=str(path)) from e
+        raise CheckpointError(f"not a readable .npz file: {e}", path=label) from e
 
 
-def _read_torch(path: Path) -> Any:
+def _read_torch(path: Path, label: str) -> Any:
     try:
         with torch.serialization.safe_globals(_SAFE_EXTRA_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -114,10 +124,10 @@ def _read_torch(path: Path) -> Any:
         if "weights only" not in text.lower() or any(m in text for m in _MALFORMED):
             lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
             detail = next((ln for ln in lines if any(m in ln for m in _MALFORMED)), lines[-1] if lines else "")
-            raise CheckpointError(f"not a readable torch file ({detail})", path=str(path)) from e
-        raise UnsafeCheckpointError(_unsafe_message(path, e), path=str(path)) from e
+            raise CheckpointError(f"not a readable torch file ({detail})", path=label) from e
+        raise UnsafeCheckpointError(_unsafe_message(path, e), path=label) from e
     except Exception as e:  # noqa: BLE001 - a corrupt pickle fails in many ways (KeyError, IndexError, ...)
-        raise CheckpointError(f"not a readable torch file ({type(e).__name__}: {e})", path=str(path)) from e
+        raise CheckpointError(f"not a readable torch file ({type(e).__name__}: {e})", path=label) from e
 
 
 def _unsafe_message(path: Path, err: Exception) -> str:

@@ -1,10 +1,12 @@
-"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`): read its state dicts,
-export a vitlab model as a `ViTForImageClassification` folder.
+"""Hugging Face transformers ViT (`ViTModel`, `ViTForImageClassification`), DeiT (`DeiTModel`,
+`DeiTForImageClassification[WithTeacher]`) and ViT-hybrid (`ViTHybridForImageClassification`, a BiT
+ResNet stem; transformers 4.x): read their state dicts, `config.json` and
+`preprocessor_config.json`; export a vitlab model as a `ViTForImageClassification` folder.
 
 Two layouts are read: the one transformers 4.x used and 5.x still writes to disk
 (`encoder.layer.N.attention.attention.query`, `attention.output.dense`, `intermediate.dense`,
 `output.dense`) and the 5.x in-memory one (`layers.N.attention.q_proj/k_proj/v_proj/o_proj`,
-`mlp.fc1/fc2`); both with or without the `vit.` prefix of the task models.
+`mlp.fc1/fc2`); both with or without the `vit.` / `deit.` prefix of the task models.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ FORMAT = "hf"
 # ViTImageProcessor: mean/std 0.5, bilinear resize straight to the input size (no crop).
 DATA_CONFIG: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None,
+}  # fmt: skip
+# DeiTImageProcessor: resize 256, centre crop 224, bicubic, ImageNet mean/std.
+DEIT_DATA_CONFIG: dict[str, Any] = {
+    "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "interpolation": "bicubic", "crop_pct": 0.875,
+    "class_names": None,
 }  # fmt: skip
 # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners False, no antialias.
 RESAMPLE: dict[str, Any] = {"mode": "bicubic", "antialias": False, "align_corners": False}
@@ -46,6 +53,7 @@ _QKV = {
 }  # fmt: skip
 _TOP = {
     "embeddings.cls_token": "cls_token",
+    "embeddings.distillation_token": "dist_token",  # DeiT: it follows the class token, as in vitlab and timm
     "embeddings.position_embeddings": "pos_embed",
     "embeddings.patch_embeddings.projection.weight": "patch_embed.proj.weight",
     "embeddings.patch_embeddings.projection.bias": "patch_embed.proj.bias",
@@ -54,20 +62,35 @@ _TOP = {
 }
 # Used only for masked-image pretraining, never in a forward pass on images.
 _IGNORED = ("embeddings.mask_token",)
+_PREFIXES = ("vit.", "deit.")
+# Classifiers -> vitlab heads: ViT's and DeiT's one head; DeiT-with-teacher's class and distillation heads.
+_HEADS = {"classifier": "head", "cls_classifier": "head", "distillation_classifier": "head_dist"}
+_MODEL_TYPES = ("vit", "deit", "vit-hybrid")
+# ViT-hybrid (`ViTHybridForImageClassification`, transformers 4.x): its BiT stem, in timm's and vitlab's names.
+_BIT = "embeddings.patch_embeddings.backbone.bit."
+_BIT_STEM = {"embedder.convolution.": "stem.conv.", "embedder.norm.": "stem.norm."}
+_BIT_BLOCK = re.compile(r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.(.+)$")
 
 
 def looks_like(keys: list[str]) -> bool:
-    return _PATCH in keys or f"vit.{_PATCH}" in keys
+    return _PATCH in keys or any(f"{p}{_PATCH}" in keys for p in _PREFIXES)
 
 
 def _sidecar_config(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model config (heads, eps, image size) and class names from a transformers `config.json`."""
     config: dict[str, Any] = {"norm_eps": 1e-12}  # ViTConfig.layer_norm_eps default
     data: dict[str, Any] = {}
-    if not sidecar or sidecar.get("model_type") != "vit":
+    if not sidecar or sidecar.get("model_type") not in _MODEL_TYPES:
         return config, data
     if sidecar.get("hidden_act", "gelu") != "gelu":
         raise src.error(f"hidden_act={sidecar['hidden_act']!r}; vitlab's ViT uses exact GELU ('gelu')")
+    bit = sidecar.get("backbone_config") or {}
+    layer, padding = bit.get("layer_type", "bottleneck"), str(bit.get("global_padding", "SAME")).upper()
+    if layer != "bottleneck" or padding != "SAME":
+        raise src.error(
+            f"a BiT stem with layer_type={layer!r}, global_padding={padding!r}; vitlab's hybrid stem is the "
+            "paper's: bottleneck blocks without pre-activation, SAME padding"
+        )
     if "num_attention_heads" in sidecar:
         config["num_heads"] = int(sidecar["num_attention_heads"])
     if "layer_norm_eps" in sidecar:
@@ -83,20 +106,63 @@ def _sidecar_config(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dic
     return config, data
 
 
-def convert(tensors: Mapping[str, torch.Tensor], path: str, sidecar: Mapping[str, Any] | None = None) -> Converted:
+def processor_data_config(processor: Mapping[str, Any] | None) -> dict[str, Any]:
+    """mean, std, interpolation and crop fraction from a transformers `preprocessor_config.json`
+    (ViT's: resize to the input size, bilinear, 0.5; DeiT's: resize 256, crop 224, bicubic, ImageNet)."""
+    if not processor:
+        return {}
+    data: dict[str, Any] = {}
+    if processor.get("do_normalize", True):
+        for ours, theirs in (("mean", "image_mean"), ("std", "image_std")):
+            value = processor.get(theirs)
+            if isinstance(value, (list, tuple)) and len(value) == 3:
+                data[ours] = [float(v) for v in value]
+    by_code = {code: name for name, code in _PIL_RESAMPLE.items()}
+    if processor.get("resample") in by_code:
+        data["interpolation"] = by_code[processor["resample"]]
+    size, crop = processor.get("size"), processor.get("crop_size")
+    resized = _side(size) if processor.get("do_resize", True) else None
+    cropped = _side(crop) if processor.get("do_center_crop") else None
+    if resized and cropped:
+        data["crop_pct"] = min(1.0, cropped / resized)
+    elif resized:
+        data["crop_pct"] = 1.0
+    return data
+
+
+def _side(size: Any) -> int | None:
+    if isinstance(size, (int, float)):
+        return int(size)
+    if isinstance(size, Mapping):
+        side = size.get("shortest_edge", size.get("height"))
+        return int(side) if isinstance(side, (int, float)) else None
+    return None
+
+
+def convert(
+    tensors: Mapping[str, torch.Tensor],
+    path: str,
+    sidecar: Mapping[str, Any] | None = None,
+    processor: Mapping[str, Any] | None = None,
+) -> Converted:
     src = Source(tensors, FORMAT, path)
     config, data = _sidecar_config(sidecar, src)
-    conv = Converted(FORMAT, {}, path, config=config, data_config={**DATA_CONFIG, **data}, resample=dict(RESAMPLE))
-    prefix = "vit." if f"vit.{_PATCH}" in tensors else ""
+    defaults = DEIT_DATA_CONFIG if (sidecar or {}).get("model_type") == "deit" else DATA_CONFIG
+    data = {**defaults, **processor_data_config(processor), **data}
+    conv = Converted(FORMAT, {}, path, config=config, data_config=data, resample=dict(RESAMPLE))
+    prefix = next((p for p in _PREFIXES if f"{p}{_PATCH}" in tensors), "")
+    heads = tuple(f"{h}." for h in _HEADS)
     qkv: dict[tuple[int, str], dict[int, str]] = {}
     for key in src.keys():
-        if not key.startswith(prefix) and not key.startswith(("classifier.", "pooler.")):
+        if not key.startswith(prefix) and not key.startswith((*heads, "pooler.")):
             continue
         name = key[len(prefix) :] if key.startswith(prefix) else key
         if name in _IGNORED:
             src.skip(key)
         elif name in _TOP:
             conv.put(_TOP[name], src.take(key), key)
+        elif name.startswith(_BIT) and (ours := _bit_name(name[len(_BIT) :])):
+            conv.put(ours, src.take(key), key)
         elif m := _BLOCK.match(name):
             i, module, param = int(m.group(1)), m.group(2), m.group(3)
             if module in _SUB:
@@ -105,21 +171,33 @@ def convert(tensors: Mapping[str, torch.Tensor], path: str, sidecar: Mapping[str
                 qkv.setdefault((i, param), {})[_QKV[module]] = key
     _fuse_qkv(qkv, src, conv)
 
-    has_classifier = "classifier.weight" in tensors
-    for param in ("weight", "bias"):
-        if f"classifier.{param}" in tensors:
-            conv.put(f"head.{param}", src.take(f"classifier.{param}"), f"classifier.{param}")
+    has_classifier = any(f"{h}weight" in tensors for h in heads)
+    for theirs, ours in _HEADS.items():
+        for param in ("weight", "bias"):
+            if f"{theirs}.{param}" in tensors:
+                conv.put(f"{ours}.{param}", src.take(f"{theirs}.{param}"), f"{theirs}.{param}")
     for pooler in (f"{prefix}pooler.dense", "pooler.dense"):
         for param in ("weight", "bias"):
             key = f"{pooler}.{param}"
             if key not in tensors or key in src.used:
                 continue
-            if has_classifier:  # ViTForImageClassification classifies the class token, not the pooler output
+            if has_classifier:  # the task models classify the class token, not the pooler output
                 src.skip(key)
             else:  # ViTModel's pooler: dense + tanh on the class token, i.e. the pre-logits layer
                 conv.put(f"pre_logits.fc.{param}", src.take(key), key)
     src.finish()
     return conv
+
+
+def _bit_name(rest: str) -> str | None:
+    """A ViT-hybrid stem tensor's vitlab name (`embedder.convolution` -> `stem.conv`, `encoder.stages.I.
+    layers.J.*` -> `stages.I.blocks.J.*`); None for one vitlab's stem has no place for."""
+    for theirs, ours in _BIT_STEM.items():
+        if rest.startswith(theirs):
+            return f"patch_embed.backbone.{ours}{rest[len(theirs) :]}"
+    if m := _BIT_BLOCK.match(rest):
+        return f"patch_embed.backbone.stages.{m.group(1)}.blocks.{m.group(2)}.{m.group(3)}"
+    return None
 
 
 def _fuse_qkv(qkv: dict[tuple[int, str], dict[int, str]], src: Source, conv: Converted) -> None:

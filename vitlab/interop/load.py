@@ -14,6 +14,7 @@ from vitlab.interop import hf, jax_npz, timm, torchvision, vitlab_format
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, build_model
 from vitlab.interop.errors import CheckpointError
 from vitlab.interop.files import RawCheckpoint, read_checkpoint
+from vitlab.interop.hub import resolve_source
 from vitlab.models.resize import to_2tuple
 from vitlab.models.vit import VisionTransformer
 
@@ -39,8 +40,10 @@ def load_pretrained(
 
     `path`: a vitlab `save_pretrained` folder or its `model.safetensors`, a vitlab Lightning `.ckpt`,
     a timm / HF transformers / torchvision state dict (`.pth`, `.bin`, `.safetensors`) or a Google
-    `.npz`. The format is detected from the tensor names and the architecture inferred from their
-    shapes. `config`: `VisionTransformer` constructor arguments, the same word as `model.config`; they
+    `.npz`; or a public one by name: `hf-hub:ORG/NAME[@REVISION]` (a timm or transformers repo) or
+    an `https://` URL of such a file, fetched once into its cache (`vitlab.interop.hub`). The
+    format is detected from the tensor names and the architecture inferred from their shapes.
+    `config`: `VisionTransformer` constructor arguments, the same word as `model.config`; they
     set what shapes cannot tell (`num_heads` for torch formats, `img_size` for a non-square grid,
     `in_chans`) and override the rest (`drop_path_rate`...).
 
@@ -52,7 +55,8 @@ def load_pretrained(
     unknown = sorted(set(config) - _CONSTRUCTOR_ARGS)
     if unknown:
         raise TypeError(f"unknown VisionTransformer argument(s) in config: {', '.join(unknown)}")
-    raw = read_checkpoint(path)
+    source = resolve_source(path)
+    raw = read_checkpoint(source.path, name=source.label)
     conv = convert(raw, config)
     model = build_model(conv, config)
     if img_size is not None and to_2tuple(img_size) != tuple(model.patch_embed.img_size):
@@ -75,7 +79,7 @@ def _resample_rule(resample: str | Mapping[str, Any] | None, conv: Converted) ->
 
 def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
     """Detect the format of a read checkpoint and convert it to vitlab names (`config`: the caller's)."""
-    path = str(raw.path)
+    path = raw.label
     obj = raw.obj
     if raw.kind == "npz":
         if jax_npz.looks_like(list(obj)):
@@ -90,7 +94,7 @@ def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
     if timm.looks_like(keys):
         return timm.convert(tensors, path, config, raw.sidecar)
     if hf.looks_like(keys):
-        return hf.convert(tensors, path, raw.sidecar)
+        return hf.convert(tensors, path, raw.sidecar, raw.processor)
     if torchvision.looks_like(keys):
         return torchvision.convert(tensors, path)
     if jax_npz.looks_like(keys):  # Flax names in a torch/safetensors container

@@ -39,13 +39,19 @@ def looks_like(keys: list[str]) -> bool:
 def _sidecar_data(sidecar: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model config (input size, heads) and data config from a timm hub `config.json` (`pretrained_cfg`,
     and `model_args` where the folder was written with the model's constructor arguments)."""
-    if not sidecar or not isinstance(sidecar.get("pretrained_cfg"), Mapping):
+    if not sidecar:
         return {}, {}
-    pc = sidecar["pretrained_cfg"]
+    pc = sidecar.get("pretrained_cfg")
+    if not isinstance(pc, Mapping):
+        if "architecture" not in sidecar:
+            return {}, {}
+        pc = sidecar  # timm's older hub configs: one flat dict
     data = {k: pc[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in pc}
     data = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in data.items()}
-    if isinstance(sidecar.get("label_names"), list):
-        data["class_names"] = list(sidecar["label_names"])
+    names = _label_names(sidecar.get("label_names", pc.get("label_names")),
+                         sidecar.get("label_descriptions", pc.get("label_descriptions")))  # fmt: skip
+    if names:
+        data["class_names"] = names
     config: dict[str, Any] = {}
     size = pc.get("input_size")
     if isinstance(size, (list, tuple)) and len(size) == 3:
@@ -54,6 +60,20 @@ def _sidecar_data(sidecar: Mapping[str, Any] | None) -> tuple[dict[str, Any], di
     if isinstance(model_args, Mapping) and isinstance(model_args.get("num_heads"), int):
         config["num_heads"] = model_args["num_heads"]  # the shapes cannot tell it
     return config, data
+
+
+def _label_names(names: Any, descriptions: Any) -> list[str] | None:
+    """timm's `label_names` (a list, or index -> name) read as descriptions where it has them
+    (`n01440764` -> `tench, Tinca tinca`): what a person reads in `vitlab predict`."""
+    if isinstance(names, Mapping):
+        try:
+            names = [names[k] for k in sorted(names, key=int)]
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(names, (list, tuple)) or not names:
+        return None
+    descriptions = descriptions if isinstance(descriptions, Mapping) else {}
+    return [str(descriptions.get(n, n)) for n in names]
 
 
 def convert(
@@ -152,9 +172,8 @@ def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
     Loads with `timm.create_model("local-dir:<folder>", pretrained=True)`, or with
     `timm.create_model(architecture, pretrained=True, pretrained_cfg_overlay=dict(pretrained_cfg,
     file=<folder>/model.safetensors), **model_args)` (the overlay's `num_classes` keeps the head).
-    A distilled model loads as timm's `VisionTransformerDistilled`, which predicts with the mean of
-    the two heads' logits where vitlab averages their softmax outputs (DeiT's rule): the same weights
-    and the same two heads' logits, but where the heads disagree the two rules can rank differently.
+    A distilled model loads as timm's `VisionTransformerDistilled`; both predict with the mean of
+    the two heads' logits (DeiT's rule), so the logits are the same.
     """
     from safetensors.torch import save_file
 

@@ -6,11 +6,17 @@ The student (`distilled=True`) has two prefix tokens with a head each. Training 
 - hard (DeiT's best): `(1 - alpha) * CE(class head, labels) + alpha * CE(distillation head, teacher's argmax)`
 - soft: `(1 - alpha) * CE(class head, labels) + alpha * tau^2 * KL(softmax(teacher / tau) || softmax(dist / tau))`
 
-The student predicts with the mean of both heads' softmax outputs (what the model's `forward`
-returns, as logits), which is what validation measures. The teacher is any checkpoint
-`load_pretrained` reads, or a torchvision CNN's state dict (`teacher_arch` names the torchvision
-model); it runs in eval mode without gradients, on the student's (augmented) images converted to its
-own input transform: the student's normalisation undone, resized to the teacher's input size,
+The soft KL term is summed over classes and divided by the batch size (`distill_kl_reduction:
+batchmean`, the KL divergence per sample, as its definition reads). DeiT's code divides the summed
+KL by batch x classes instead (`deit`: 1/classes of it, e.g. 1/1000 on ImageNet), so its published
+`alpha` / `tau` reproduce only with `distill_kl_reduction: deit`.
+
+The student predicts with the mean of its two heads' logits (what the model's `forward` returns,
+as DeiT, timm and transformers do); the training accuracy and validation measure that. The
+teacher is any checkpoint `load_pretrained` reads (a path, `hf-hub:ORG/NAME`, a URL), or a
+torchvision CNN's state dict (`teacher_arch` names the torchvision model; a path or a URL); it
+runs in eval mode without gradients, on the student's (augmented) images converted to its own
+input transform: the student's normalisation undone, resized to the teacher's input size,
 normalised with the teacher's mean and std. It is read when fitting starts (a missing or unfitting
 teacher stops the run before the first step) and kept out of the module's parameters, state dict and
 checkpoints: validating, testing or exporting a distilled student never needs it.
@@ -19,16 +25,17 @@ checkpoints: validating, testing or exporting a distilled student never needs it
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vitlab.train.module import ViTClassifier
 
 Distillation = Literal["hard", "soft"]
+KLReduction = Literal["batchmean", "deit"]
 
 # torchvision's ImageNet weights expect these; a teacher trained otherwise states its own.
 TORCHVISION_MEAN = (0.485, 0.456, 0.406)
@@ -46,9 +53,11 @@ def distillation_loss(
     alpha: float = 0.5,
     tau: float = 1.0,
     label_smoothing: float = 0.0,
+    kl_reduction: KLReduction = "batchmean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(total, class-head loss, distillation-head loss). `target` is class indices or probabilities
-    (MixUp/CutMix); label smoothing applies to the class head only, as in DeiT."""
+    (MixUp/CutMix); label smoothing applies to the class head only, as in DeiT. `kl_reduction` (soft
+    only): `batchmean` divides the summed KL by the batch size, `deit` by batch x classes (DeiT's code)."""
     cls_loss = F.cross_entropy(cls_logits.float(), target, label_smoothing=label_smoothing)
     teacher_logits = teacher_logits.float()
     if kind == "hard":
@@ -56,15 +65,25 @@ def distillation_loss(
     elif kind == "soft":
         student = F.log_softmax(dist_logits.float() / tau, dim=-1)
         teacher = F.log_softmax(teacher_logits / tau, dim=-1)
-        dist_loss = F.kl_div(student, teacher, reduction="batchmean", log_target=True) * tau * tau
+        kl = F.kl_div(student, teacher, reduction="sum", log_target=True)
+        if kl_reduction == "batchmean":
+            kl = kl / dist_logits.shape[0]
+        elif kl_reduction == "deit":
+            kl = kl / dist_logits.numel()
+        else:
+            raise ValueError(f"unknown distill_kl_reduction {kl_reduction!r}; choose 'batchmean' or 'deit'")
+        dist_loss = kl * tau * tau
     else:
         raise ValueError(f"unknown distillation {kind!r}; choose 'hard' or 'soft'")
     return (1 - alpha) * cls_loss + alpha * dist_loss, cls_loss, dist_loss
 
 
 def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """A torchvision-style state dict from `.safetensors` or a `weights_only` torch file, unwrapped."""
-    p = Path(path)
+    """A torchvision-style state dict from `.safetensors` or a `weights_only` torch file (a path or a
+    URL, fetched once into the download cache), unwrapped."""
+    from vitlab.interop import resolve_source
+
+    p = resolve_source(path).path
     if not p.is_file():
         raise FileNotFoundError(f"teacher checkpoint {path!r} does not exist")
     if p.suffix == ".safetensors":
@@ -147,11 +166,12 @@ class DistillClassifier(ViTClassifier):
     """`ViTClassifier` with DeiT distillation; see the module docstring. The student must be
     distilled (`arch: deit_*_distilled_patch16`, or `model_args: {distilled: true}`).
 
-    Arguments besides `ViTClassifier`'s: `teacher` (checkpoint path), `teacher_arch` (a torchvision
-    model name for a CNN teacher; None: a ViT `load_pretrained` reads), `distillation` (hard/soft),
-    `distill_alpha`, `distill_tau` (soft only), and `teacher_mean` / `teacher_std` /
-    `teacher_img_size` to override the teacher's input transform when its checkpoint does not
-    record it (a torchvision teacher defaults to ImageNet mean/std at the student's size).
+    Arguments besides `ViTClassifier`'s: `teacher` (checkpoint path, hub name or URL), `teacher_arch`
+    (a torchvision model name for a CNN teacher; None: a ViT `load_pretrained` reads), `distillation`
+    (hard/soft), `distill_alpha`, `distill_tau` and `distill_kl_reduction` (soft only), and
+    `teacher_mean` / `teacher_std` / `teacher_img_size` to override the teacher's input transform when
+    its checkpoint does not record it (a torchvision teacher defaults to ImageNet mean/std at the
+    student's size).
     """
 
     def __init__(
@@ -162,6 +182,7 @@ class DistillClassifier(ViTClassifier):
         distillation: Distillation = "hard",
         distill_alpha: float = 0.5,
         distill_tau: float = 1.0,
+        distill_kl_reduction: KLReduction = "batchmean",
         teacher_mean: list[float] | None = None,
         teacher_std: list[float] | None = None,
         teacher_img_size: int | list[int] | None = None,
@@ -173,6 +194,8 @@ class DistillClassifier(ViTClassifier):
             raise ValueError(f"distill_alpha must lie in [0, 1] (got {distill_alpha})")
         if distill_tau <= 0:
             raise ValueError(f"distill_tau must be positive (got {distill_tau})")
+        if distill_kl_reduction not in ("batchmean", "deit"):
+            raise ValueError(f"unknown distill_kl_reduction {distill_kl_reduction!r}; choose 'batchmean' or 'deit'")
         super().__init__(*args, **kwargs)
         if not self.model.distilled:
             raise ValueError(
@@ -192,8 +215,15 @@ class DistillClassifier(ViTClassifier):
     @property
     def teacher(self) -> nn.Module:
         if not self._teacher:
+            from vitlab.interop import resolve_source
+
             hp = self.hparams
-            net, transform = load_teacher(hp.teacher, hp.teacher_arch, self.model.num_classes)
+            # A hub name or URL is pinned (commit, sha256), as `init_from` is: the checkpoint names the teacher read.
+            source = resolve_source(hp.teacher).pinned
+            if source != hp.teacher:
+                rank_zero_info(f"teacher {hp.teacher}: {source}")
+                self.hparams["teacher"] = source
+            net, transform = load_teacher(source, hp.teacher_arch, self.model.num_classes)
             if hp.teacher_mean is not None:
                 transform["mean"] = list(hp.teacher_mean)
             if hp.teacher_std is not None:
@@ -221,9 +251,7 @@ class DistillClassifier(ViTClassifier):
         hp = self.hparams
         loss, cls_loss, dist_loss = distillation_loss(
             cls_logits, dist_logits, y, self.teacher_logits(x), hp.distillation, hp.distill_alpha, hp.distill_tau,
-            hp.label_smoothing,
+            hp.label_smoothing, hp.distill_kl_reduction,
         )  # fmt: skip
-        with torch.no_grad():  # what the model predicts: the mean of both heads' softmax outputs
-            both = torch.stack([cls_logits.float().log_softmax(-1), dist_logits.float().log_softmax(-1)])
-            logits = torch.logsumexp(both, dim=0)
+        logits = ((cls_logits + dist_logits) / 2).detach()  # what the model predicts (its forward_head)
         return loss, logits, {"loss_cls": cls_loss, "loss_distill": dist_loss}

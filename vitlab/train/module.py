@@ -48,14 +48,17 @@ def _grid(config: Mapping[str, Any]) -> list[int]:
 
 
 def _peek_source_config(path: str) -> dict[str, Any] | None:
-    """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), for the
-    init log; None for formats that record none (timm, HF, torchvision, .npz)."""
-    p = Path(path)
-    sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json") if p.suffix == ".safetensors" else None
+    """The model config a vitlab source records (Lightning `.ckpt`, `save_pretrained` folder), or the
+    input size, patch size and classes a timm / transformers `config.json` beside the weights states
+    (hub repos), for the init log; None for formats that record none (state dicts, .npz)."""
+    from vitlab.interop.hub import is_remote, peek_hub_config, resolve_source
+
     try:
-        if sidecar is not None and sidecar.is_file():
+        p = resolve_source(path).path if is_remote(path) else Path(path)  # a hub name or URL: its cached file
+        sidecar = p / "config.json" if p.is_dir() else p.with_name("config.json")
+        if sidecar.is_file() and (p.is_dir() or p.suffix in (".safetensors", ".bin")):
             meta = json.loads(sidecar.read_text())
-            return dict(meta["model"]) if meta.get("format") == "vitlab" else None
+            return dict(meta["model"]) if meta.get("format") == "vitlab" else peek_hub_config(sidecar)
         if p.suffix == ".ckpt" and p.is_file():  # mmap: only the small metadata is actually read
             return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["vitlab"]["model_config"])
     except Exception:  # noqa: BLE001 - this only feeds a log line
@@ -67,7 +70,7 @@ def _dropped_tensors(path: str, kept: list[str]) -> list[str] | None:
     """The tensors of a vitlab Lightning `.ckpt` that the initialised model does not take: a replaced
     head, a pretraining objective's own parts (masked patch prediction's `mask_token`, `mpp_head.*`).
     For the init log; None for other formats, whose loaders take every tensor or fail."""
-    p = Path(path)
+    p = Path(path)  # a hub name or URL is never a Lightning checkpoint
     if p.suffix != ".ckpt" or not p.is_file():
         return None
     try:  # mmap: only the tensor index is read
@@ -182,8 +185,12 @@ class ViTClassifier(L.LightningModule):
         return model
 
     def _init_from_pretrained(self, path: str, args: dict[str, Any]) -> VisionTransformer:
-        from vitlab.interop import load_pretrained  # written alongside; imported only when used
+        from vitlab.interop import load_pretrained, resolve_source  # imported only when used
 
+        # A hub name or URL is fetched once and pinned (hf-hub:ORG/NAME@<commit>, URL#sha256=<hex>): the
+        # checkpoint's hyperparameters and the init summary then name exactly the weights this run started from.
+        path = resolve_source(path).pinned
+        self.hparams["init_from"] = path
         source = _peek_source_config(path)
         config = dict(args)  # a new input size or class count resamples / replaces, the rest builds the model
         expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
