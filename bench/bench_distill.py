@@ -8,7 +8,7 @@ split, augmentation, optimiser). Target: +2 points of validation top-1.
    trained by `ViTClassifier` (cross-entropy on the labels).
 3. The distilled student: the recipe's `DistillClassifier` (class + distillation token, the recipe's
    distillation, or `--distillation/--alpha/--tau`), predicting with the mean of both heads'
-   softmax outputs.
+   logits.
 
 Each trains from the same seed through Lightning on the recipe's `ShardDataModule` and is scored
 by `trainer.validate` on the held-out part (`val_fraction` of the train split, by key hash).
