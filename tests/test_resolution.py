@@ -1,0 +1,166 @@
+"""Resolution: a new patch size (FlexiViT's PI-resize, against timm), checkpoints evaluated at another
+input size, and the `vitlab resolution` sweep."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import timm
+from helpers import perturb
+from vitlab.interop import load_pretrained
+from vitlab.models import VisionTransformer
+from vitlab.models.resize import resample_patch_kernel
+from vitlab.train import ViTClassifier
+
+TOL = 1e-4
+TINY = dict(embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+def _timm_vit(img_size: int, patch_size: int, **kw: object) -> torch.nn.Module:
+    args = dict(img_size=img_size, patch_size=patch_size, **TINY)
+    return perturb(timm.models.vision_transformer.VisionTransformer(**{**args, **kw}))
+
+
+def _as_vitlab(peer: torch.nn.Module, tmp_path: Path) -> VisionTransformer:
+    save_file({k: v.contiguous() for k, v in peer.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    return load_pretrained(tmp_path / "w.safetensors", config={"num_heads": TINY["num_heads"]})
+
+
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else size
+
+
+@pytest.mark.parametrize(
+    "img_size,patch_size,new_img,new_patch",
+    [
+        (32, 4, 64, 8),  # square, kernel up, same grid
+        (32, 4, 48, 8),  # square, kernel up, grid down
+        (64, 8, 32, 4),  # square, kernel down
+        (32, 4, (48, 32), 8),  # to non-square
+        (48, 8, (32, 64), 2),  # kernel down to 2, non-square, grid up
+        (32, 4, 32, 8),  # patch only: grid 8x8 -> 4x4
+    ],
+)
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_patch_size_change_matches_timm_set_input_size(
+    img_size: int, patch_size: int, new_img: int | tuple[int, int], new_patch: int, pool: str, tmp_path: Path
+) -> None:
+    kw = {} if pool == "token" else dict(global_pool="avg", class_token=False)
+    peer = _timm_vit(img_size, patch_size, **kw)
+    model = _as_vitlab(peer, tmp_path)
+    assert model.pool == pool and model.patch_embed.patch_size == patch_size
+
+    peer.set_input_size(img_size=_pair(new_img), patch_size=new_patch)
+    model.set_image_size(new_img, patch_size=new_patch)
+
+    h, w = _pair(new_img)
+    assert model.patch_embed.grid_size == (h // new_patch, w // new_patch)
+    assert model.config["patch_size"] == new_patch and model.config["img_size"] == [h, w]
+    assert model.patch_embed.proj.weight.shape[-2:] == (new_patch, new_patch)
+    x = torch.randn(2, 3, h, w)
+    with torch.no_grad():
+        assert (model(x) - peer(x)).abs().max().item() <= TOL
+
+
+def test_pi_resize_gives_each_upsampled_patch_its_old_token() -> None:
+    """FlexiViT's identity, written out: <resize(x), w'> = <x, w> for every patch x when the kernel grows
+    (bicubic with antialias, the resize FlexiViT's PI-resize inverts)."""
+    w = torch.randn(6, 3, 4, 4)
+    patches = torch.randn(10, 3, 4, 4)
+    for new in (8, 12, 6):
+        up = F.interpolate(patches, size=(new, new), mode="bicubic", antialias=True, align_corners=False)
+        w_new = resample_patch_kernel(w, new)
+        ref = torch.einsum("nchw,dchw->nd", patches, w)
+        assert (torch.einsum("nchw,dchw->nd", up, w_new) - ref).abs().max().item() < 1e-4, new
+
+
+def test_pi_resize_down_is_the_least_squares_kernel() -> None:
+    """Shrinking: w' minimises ||R^T w' - w|| (R: the 8 -> 4 resize matrix, built column by column from
+    resized one-hot patches), so the residual is orthogonal to R's column space: R (R^T w' - w) = 0."""
+    w = torch.randn(5, 2, 8, 8, dtype=torch.float64)
+    cols = [F.interpolate(torch.eye(64, dtype=torch.float64)[i].reshape(1, 1, 8, 8), size=(4, 4), mode="bicubic",
+                          antialias=True).flatten() for i in range(64)]  # fmt: skip
+    r = torch.stack(cols, dim=1)  # [16 new pixels, 64 old pixels]
+    w_new = resample_patch_kernel(w, 4).reshape(5, 2, 16)
+    residual = w_new @ r - w.reshape(5, 2, 64)  # (R^T w' - w) for every (out, in) channel, as rows
+    assert (residual @ r.T).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize(
+    "stem,patch_size,why",
+    [
+        ("conv", 4, "number of conv-and-pool stages"),
+        ("resnet", 4, "ResNet's stride"),
+        ("spt", 4, "LayerNorm"),
+    ],
+)
+def test_stems_without_a_patch_kernel_refuse_a_new_patch_size(stem: str, patch_size: int, why: str) -> None:
+    extra = {"stem_layers": [], "stem_channels": 32} if stem == "resnet" else {}
+    model = VisionTransformer(img_size=32, patch_size=patch_size, stem=stem, **TINY, **extra)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"stem='{stem}' cannot change its patch size.*{why}.*change img_size instead"):
+        model.set_image_size(64, patch_size=8)
+    assert model.patch_embed.patch_size == patch_size and model.patch_embed.img_size == (32, 32)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.set_image_size(48)  # the resolution itself changes fine
+    assert model(torch.randn(1, 3, 48, 48)).shape == (1, 5)
+
+
+def test_an_indivisible_size_for_the_new_patch_leaves_the_model_untouched() -> None:
+    model = VisionTransformer(img_size=32, patch_size=4, **TINY)
+    kernel = model.patch_embed.proj.weight.clone()
+    with pytest.raises(ValueError, match="img_size 36x36 is not a multiple of patch_size 8"):
+        model.set_image_size(36, patch_size=8)
+    assert model.patch_embed.patch_size == 4 and torch.equal(model.patch_embed.proj.weight, kernel)
+    assert model.config["patch_size"] == 4 and model.patch_embed.grid_size == (8, 8)
+
+
+def _train_source(tmp_path: Path, **model_args: object) -> Path:
+    """A tiny classifier trained one step; its `last.ckpt`."""
+    L.seed_everything(0)
+    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, **model_args)
+    source = ViTClassifier(model_args=args, num_classes=5)
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(8, 3, 32, 32, generator=g), torch.randint(5, (8,), generator=g)),
+                        batch_size=8)  # fmt: skip
+    cb = ModelCheckpoint(dirpath=tmp_path / "src", save_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(source, loader)
+    return tmp_path / "src" / "last.ckpt"
+
+
+def test_init_from_with_another_patch_size_pi_resizes_like_timm(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = _train_source(tmp_path)
+    source = load_pretrained(ckpt)
+    peer = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=4, **TINY).eval()
+    peer.load_state_dict(source.state_dict())
+    peer.set_input_size(img_size=(64, 64), patch_size=8)
+
+    with caplog.at_level(logging.INFO):
+        tuned = ViTClassifier(model_args=dict(patch_size=8, embed_dim=32, depth=2, num_heads=2), num_classes=5,
+                              img_size=64, init_from=str(ckpt))  # fmt: skip
+    assert "patch 4 -> 8, kernel PI-resized" in caplog.text
+    assert "grid [8, 8] -> [8, 8]" in caplog.text
+    assert tuned.init_summary["patch_size"] == "4 -> 8 (kernel PI-resized)"
+    model = tuned.model.eval()
+    assert model.config["patch_size"] == 8 and model.patch_embed.grid_size == (8, 8)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert (model(x) - peer(x)).abs().max().item() <= TOL
+
+
+def test_init_from_a_conv_tokenizer_with_another_patch_size_says_why_not(tmp_path: Path) -> None:
+    ckpt = _train_source(tmp_path, stem="conv")
+    with pytest.raises(ValueError, match="stem='conv' cannot change its patch size.*keep patch_size=4"):
+        ViTClassifier(model_args=dict(stem="conv", patch_size=8, embed_dim=32, depth=2, num_heads=2), num_classes=5,
+                      img_size=64, init_from=str(ckpt))  # fmt: skip
