@@ -164,3 +164,101 @@ def test_init_from_a_conv_tokenizer_with_another_patch_size_says_why_not(tmp_pat
     with pytest.raises(ValueError, match="stem='conv' cannot change its patch size.*keep patch_size=4"):
         ViTClassifier(model_args=dict(stem="conv", patch_size=8, embed_dim=32, depth=2, num_heads=2), num_classes=5,
                       img_size=64, init_from=str(ckpt))  # fmt: skip
+
+
+# ---- a checkpoint at another size: load_state_dict, `vitlab validate|test --data.img_size=S` --------------
+
+
+def test_a_checkpoint_of_another_grid_loads_resampled_as_timm_resamples(caplog: pytest.LogCaptureFixture) -> None:
+    from timm.layers import resample_abs_pos_embed, resample_patch_embed
+
+    src = perturb(VisionTransformer(img_size=32, patch_size=4, **TINY))
+    sd = {f"model.{k}": v for k, v in src.state_dict().items()}
+    module = ViTClassifier(model_args=dict(patch_size=8, embed_dim=32, depth=2, num_heads=2), num_classes=5,
+                           img_size=48)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        module.load_state_dict(sd)
+    assert "pos_embed resampled from the checkpoint's 8x8 token grid to 6x6 (img_size 48x48)" in caplog.text
+    assert "patch 4 -> 8: kernel PI-resized" in caplog.text
+    want_pos = resample_abs_pos_embed(src.pos_embed, [6, 6], [8, 8], num_prefix_tokens=1)
+    want_kernel = resample_patch_embed(src.patch_embed.proj.weight, [8, 8])
+    assert (module.model.pos_embed - want_pos).abs().max().item() < 1e-6
+    assert (module.model.patch_embed.proj.weight - want_kernel).abs().max().item() < 1e-6
+    torch.testing.assert_close(module.model.blocks[1].mlp.fc2.weight, src.blocks[1].mlp.fc2.weight, rtol=0, atol=0)
+
+    # To a non-square grid (the checkpoint's square one inferred), and sin-cos tables drawn for the new grid.
+    wide = VisionTransformer(img_size=(32, 64), patch_size=4, **TINY)
+    wide.load_state_dict(src.state_dict())
+    want = resample_abs_pos_embed(src.pos_embed, [8, 16], [8, 8], num_prefix_tokens=1)
+    assert (wide.pos_embed - want).abs().max().item() < 1e-6
+    sincos = VisionTransformer(img_size=32, patch_size=4, pos_embed="sincos", **TINY)
+    bigger = VisionTransformer(img_size=48, patch_size=4, pos_embed="sincos", **TINY)
+    fresh = bigger.pos_embed.clone()
+    bigger.load_state_dict(sincos.state_dict())
+    assert torch.equal(bigger.pos_embed, fresh) and not bigger.pos_embed.requires_grad
+
+
+CLASSES = ["cat", "dog", "ship"]
+N_VAL = 20
+
+
+@pytest.fixture(scope="module")
+def runs(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny ViT trained one epoch at 32px through `vitlab fit`, and fine-tuned from it one epoch at 48px."""
+    import yaml
+
+    from helpers import subset_tree
+    from vitlab.cli import main
+
+    tmp = tmp_path_factory.mktemp("resolution")
+    data = subset_tree(cifar_subset, tmp / "data", CLASSES, 16, N_VAL)
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"max_epochs": 1, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False},
+        "model": {"arch": "vit_tiny_patch16", "lr": 2e-3,
+                  "model_args": {"patch_size": 4, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}},
+        "data": {"class_path": "vitlab.data.ImageFolderDataModule",
+                 "init_args": {"root": str(data), "img_size": 32, "batch_size": 16, "num_workers": 0,
+                               "train_crop": "pad", "auto_augment": None, "crop_pct": 0.9}},
+    }  # fmt: skip
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(cfg))
+    assert main(["fit", "--config", str(recipe), "--run_dir", str(tmp / "pretrain")]) == 0
+    source = tmp / "pretrain" / "checkpoints" / "last.ckpt"
+    assert main(["fit", "--config", str(recipe), "--run_dir", str(tmp / "finetune"), "--data.init_args.img_size=48",
+                 "--model.init_from", str(source)]) == 0  # fmt: skip
+    return {"tmp": tmp, "data": data, "recipe": recipe, "source": source,
+            "finetune": tmp / "finetune" / "checkpoints" / "last.ckpt"}  # fmt: skip
+
+
+def _validate(runs: dict[str, Path], img_size: int, stage: str = "validate") -> tuple[float, float]:
+    from cli_probe import csv_rows, last_value
+    from vitlab.cli import main
+
+    run = runs["tmp"] / f"{stage}{img_size}"
+    assert main([stage, "--config", str(runs["recipe"]), "--run_dir", str(run), f"--data.init_args.img_size={img_size}",
+                 "--ckpt_path", str(runs["source"])]) == 0  # fmt: skip
+    rows = csv_rows(run)
+    key = "val" if stage == "validate" else "test"
+    return last_value(rows, f"{key}/acc1"), last_value(rows, f"{key}/loss")
+
+
+@pytest.mark.slow
+def test_validate_and_test_at_another_size_resample_say_so_and_equal_the_sweep(
+    runs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from vitlab.analysis.resolution import sweep
+
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        at48 = _validate(runs, 48)
+    assert "pos_embed resampled from the checkpoint's 8x8 token grid to 12x12 (img_size 48x48)" in caplog.text
+    at24, at32 = _validate(runs, 24), _validate(runs, 32)
+    assert _validate(runs, 48, "test") == at48  # no test/ folder: `vitlab test` scores the validation images
+    assert len({at24[1], at32[1], at48[1]}) == 3  # the size really changed what was scored
+
+    rows = {r.img_size: r for r in sweep(str(runs["source"]), None, [24, 32, 48])}
+    for size, (acc1, loss) in ((24, at24), (32, at32), (48, at48)):
+        assert rows[size].images == len(CLASSES) * N_VAL
+        assert rows[size].acc1 == pytest.approx(acc1, abs=1e-6), size
+        assert rows[size].loss == pytest.approx(loss, rel=1e-5), size
