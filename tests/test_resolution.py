@@ -8,14 +8,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
+from helpers import perturb
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-import timm
-from helpers import perturb
 from vitlab.interop import load_pretrained
 from vitlab.models import VisionTransformer
 from vitlab.models.resize import resample_patch_kernel
@@ -139,7 +139,9 @@ def _train_source(tmp_path: Path, **model_args: object) -> Path:
     return tmp_path / "src" / "last.ckpt"
 
 
-def test_init_from_with_another_patch_size_pi_resizes_like_timm(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_init_from_with_another_patch_size_pi_resizes_like_timm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ckpt = _train_source(tmp_path)
     source = load_pretrained(ckpt)
     peer = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=4, **TINY).eval()
@@ -206,8 +208,8 @@ N_VAL = 20
 def runs(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny ViT trained one epoch at 32px through `vitlab fit`, and fine-tuned from it one epoch at 48px."""
     import yaml
-
     from helpers import subset_tree
+
     from vitlab.cli import main
 
     tmp = tmp_path_factory.mktemp("resolution")
@@ -234,6 +236,7 @@ def runs(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 def _validate(runs: dict[str, Path], img_size: int, stage: str = "validate") -> tuple[float, float]:
     from cli_probe import csv_rows, last_value
+
     from vitlab.cli import main
 
     run = runs["tmp"] / f"{stage}{img_size}"
@@ -262,3 +265,106 @@ def test_validate_and_test_at_another_size_resample_say_so_and_equal_the_sweep(
         assert rows[size].images == len(CLASSES) * N_VAL
         assert rows[size].acc1 == pytest.approx(acc1, abs=1e-6), size
         assert rows[size].loss == pytest.approx(loss, rel=1e-5), size
+
+
+@pytest.mark.slow
+def test_resolution_command_table_json_and_one_curve_per_checkpoint(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    from PIL import Image
+
+    from vitlab.analysis.resolution import main
+
+    out = runs["tmp"] / "sweep"
+    # No --data: each checkpoint on the data it was trained on.
+    rc = main(["--ckpt", str(runs["source"]), "--ckpt", str(runs["finetune"]), "--sizes", "24,30,32,48",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "pretrain/last.ckpt" in table and "finetune/last.ckpt" in table
+    assert "skipped: img_size 30x30 is not a multiple of patch_size 4; use e.g. 28x28 or 32x32" in table
+    assert " 32*" in table and " 48*" in table  # each trained size marked
+
+    rows = json.loads((out / "resolution.json").read_text())["rows"]
+    assert [(r["label"], r["img_size"]) for r in rows] == [
+        (label, s) for label in ("pretrain/last.ckpt", "finetune/last.ckpt") for s in (24, 30, 32, 48)
+    ]
+    scored = [r for r in rows if not r["skipped"]]
+    assert len(scored) == 6 and all(r["images"] == len(CLASSES) * N_VAL and 0 <= r["acc1"] <= 1 for r in scored)
+    assert {r["grid"] for r in scored if r["img_size"] == 48} == {"12x12"}
+    with Image.open(out / "resolution.png") as im:
+        assert im.size == (600, 400)
+        lo, hi = zip(*im.convert("RGB").getextrema())
+        assert max(hi) - min(lo) > 100
+
+    # Explicit --data gives the same rows as the recorded data (the same folder).
+    rc = main(["--ckpt", str(runs["finetune"]), "--data", str(runs["data"]), "--sizes", "48", "--out", str(out / "b")])
+    assert rc == 0
+    again = json.loads((out / "b" / "resolution.json").read_text())["rows"][0]
+    first = next(r for r in rows if r["label"] == "finetune/last.ckpt" and r["img_size"] == 48)
+    assert (again["acc1"], again["loss"]) == (first["acc1"], first["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(stem="patch", pool="token"),
+        dict(stem="conv", pool="seq", class_token=False),
+        dict(stem="spt", pool="avg", class_token=False, pos_embed="sincos"),
+        dict(stem="resnet", stem_layers=[], stem_channels=32, patch_size=8),
+        dict(stem="patch", distilled=True),
+    ],
+    ids=["patch-token", "conv-seq", "spt-avg-sincos", "resnet", "distilled"],
+)
+def test_the_sweep_scores_every_tokenizer_and_pooling(options: dict, cifar_subset: Path, tmp_path: Path) -> None:
+    """Untrained models saved with `save_pretrained` (no recorded data module: `--data` and the model's
+    preprocessing), against the images run through `eval_transform` and a model loaded at that size."""
+    from helpers import subset_tree
+    from PIL import Image
+
+    from vitlab.analysis.resolution import sweep
+    from vitlab.data import eval_transform
+    from vitlab.interop import save_pretrained
+
+    data = subset_tree(cifar_subset, tmp_path / "data", CLASSES, 1, 4)
+    args = {**dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3), **options}
+    folder = save_pretrained(perturb(VisionTransformer(**args), std=0.2), tmp_path / "model")
+    rows = {r.img_size: r for r in sweep(str(folder), str(data), [4, 16, 20, 32])}
+    if args["patch_size"] == 8:  # sizes the tokenizer cannot take are skipped, with the reason
+        assert "img_size 4x4 is not a multiple of patch_size 8" in rows[4].skipped
+        assert "img_size 20x20 is not a multiple of patch_size 8" in rows[20].skipped
+    assert sum(not r.skipped for r in rows.values()) == (2 if args["patch_size"] == 8 else 4)
+    images = [(p, CLASSES.index(c)) for c in CLASSES for p in sorted((data / "val" / c).iterdir())]
+    for size, row in rows.items():
+        if row.skipped:
+            continue
+        model = load_pretrained(folder, img_size=size)
+        transform = eval_transform(model)
+        x = torch.stack([transform(Image.open(p)) for p, _ in images])
+        with torch.no_grad():
+            pred = model(x).argmax(-1)
+        want = (pred == torch.tensor([y for _, y in images])).float().mean().item()
+        assert row.images == len(images) and row.acc1 == pytest.approx(want, abs=1e-6), size
+
+
+@pytest.mark.slow
+def test_finetune_report_draws_the_source_and_the_fine_tuned_model_around_both_sizes(runs: dict[str, Path]) -> None:
+    import json
+
+    from vitlab.analysis.resolution import finetune_report
+
+    run = runs["tmp"] / "finetune"
+    events_before = set((run / "tensorboard").glob("events.*"))
+    json_path, png = finetune_report(run)
+    assert json_path == run / "resolution" / "resolution.json" and png.is_file()
+    rows = json.loads(json_path.read_text())["rows"]
+    sizes = [24, 32, 40, 48, 60]  # pretrained at 32, fine-tuned at 48 (patch 4): 0.75 x 32, midpoint, 1.25 x 48
+    assert [(r["label"], r["img_size"]) for r in rows] == [
+        (label, s) for label in ("pretrained source", "fine-tuned") for s in sizes
+    ]
+    assert all(r["acc1"] is not None and r["images"] == len(CLASSES) * N_VAL for r in rows)
+    assert {(r["label"], r["trained_img_size"]) for r in rows} == {("pretrained source", 32), ("fine-tuned", 48)}
+    assert set((run / "tensorboard").glob("events.*")) - events_before  # the figure went to TensorBoard

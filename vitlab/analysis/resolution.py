@@ -150,8 +150,11 @@ def _quiet_lightning() -> Iterator[None]:
 
 
 def score(
-    model: VisionTransformer, datamodule: L.LightningDataModule, accelerator: str = "auto",
-    precision: str = "32-true", limit_batches: int | None = None,
+    model: VisionTransformer,
+    datamodule: L.LightningDataModule,
+    accelerator: str = "auto",
+    precision: str = "32-true",
+    limit_batches: int | None = None,
 ) -> tuple[float, float, int]:
     """(top-1, NLL, images) of `model` on `datamodule`'s validation split, through `Trainer.validate`
     (the same hooks and device transfer as `vitlab validate`)."""
@@ -183,9 +186,16 @@ def _label(ckpt: str) -> str:
 
 
 def sweep(
-    ckpt: str, data: str | None, sizes: Sequence[int], patch_sizes: Sequence[int | None] = (None,), *,
-    label: str | None = None, accelerator: str = "auto", precision: str = "32-true",
-    limit_batches: int | None = None, **data_overrides: Any,
+    ckpt: str,
+    data: str | None,
+    sizes: Sequence[int],
+    patch_sizes: Sequence[int | None] = (None,),
+    *,
+    label: str | None = None,
+    accelerator: str = "auto",
+    precision: str = "32-true",
+    limit_batches: int | None = None,
+    **data_overrides: Any,
 ) -> list[Row]:
     """Score `ckpt` at every (size, patch size); `None` is the checkpoint's own patch size. Each model is
     resampled from the checkpoint's weights (never from another size's). A size the model cannot take
@@ -264,7 +274,7 @@ def around(sizes: Sequence[int], patch: int) -> list[int]:
     """`sizes`, the midpoint of the two outer ones, a size below and one above them (a quarter of the
     smallest / largest beyond), all rounded to multiples of `patch`."""
     lo, hi = min(sizes), max(sizes)
-    snap = lambda s: max(patch, round(s / patch) * patch)  # noqa: E731
+    snap = lambda s: max(patch, round(s / patch) * patch)
     return sorted({snap(s) for s in (*sizes, (lo + hi) / 2, lo * 0.75, hi * 1.25)})
 
 
@@ -340,8 +350,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="data as --data_path takes it: once for all checkpoints or once per --ckpt; "
                         "default: the data each checkpoint was trained on")  # fmt: skip
     p.add_argument("--sizes", type=_ints, help="test sizes, e.g. 32,48,64,96,128")
-    p.add_argument("--patch-sizes", type=_ints, default=None,
-                   help="patch sizes to PI-resize the kernel to (stem='patch'); default: the checkpoint's own")
+    p.add_argument(
+        "--patch-sizes",
+        type=_ints,
+        default=None,
+        help="patch sizes to PI-resize the kernel to (stem='patch'); default: the checkpoint's own",
+    )
     p.add_argument("--out", default=None, help="output folder (default: <run>/resolution beside the first checkpoint)")
     p.add_argument("--run", default=None, help="a fine-tune run folder: score its source and itself around both sizes")
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch (default: the recorded one)")
