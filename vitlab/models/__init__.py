@@ -7,6 +7,6 @@ from vitlab.models.vit import Attention, Block, Mlp, VisionTransformer, sincos_p
 
 __all__ = [
     "VARIANTS", "Attention", "Block", "ConvTokenizer", "HybridEmbed", "Mlp", "PatchEmbed", "ShiftedPatchTokenizer",
-    "Tokenizer", "VisionTransformer", "create_model", "list_models", "make_tokenizer", "resample_patch_kernel", "resample_pos_embed",
-    "sincos_pos_embed_2d",
+    "Tokenizer", "VisionTransformer", "create_model", "list_models", "make_tokenizer", "resample_patch_kernel",
+    "resample_pos_embed", "sincos_pos_embed_2d",
 ]
