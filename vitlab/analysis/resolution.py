@@ -31,6 +31,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.analysis.plots import plot_resolution, save_figure
+from vitlab.errors import UserError
 from vitlab.models import VisionTransformer
 
 # Preprocessing keys a model's data_config shares with the data modules' constructor arguments.
@@ -288,26 +289,27 @@ def finetune_report(
     ckpt = run / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         raise FileNotFoundError(f"{ckpt} not found; run `make finetune` first (or pass the run folder with --run)")
-    hp = _recorded(ckpt).get("hyper_parameters") or {}
-    source = hp.get("init_from")
-    model_cfg = (_recorded(ckpt).get("vitlab") or {}).get("model_config") or {}
+    recorded = _recorded(ckpt)
+    source = (recorded.get("hyper_parameters") or {}).get("init_from")
+    model_cfg = (recorded.get("vitlab") or {}).get("model_config") or {}
     ft_size, patch = _side(model_cfg.get("img_size")), int(model_cfg.get("patch_size") or 1)
-    source_cfg = (_recorded(source).get("vitlab") or {}).get("model_config") or {} if source else {}
-    pre_size = _side(source_cfg.get("img_size")) if source_cfg else None
+    source_cfg = ((_recorded(source).get("vitlab") or {}).get("model_config") or {}) if source else {}
+    pre_size = _side(source_cfg.get("img_size"))
     sizes = around([s for s in (pre_size, ft_size) if s], patch)
     rows: list[Row] = []
-    for path, label in ((source, "pretrained source"), (str(ckpt), "fine-tuned")):
+    for path, label, trained in ((source, "pretrained source", pre_size), (str(ckpt), "fine-tuned", ft_size)):
         if not path:
             continue
         try:
-            rows += sweep(path, None, sizes, label=label, accelerator=accelerator, precision=precision,
-                          limit_batches=limit_batches)  # fmt: skip
-        except (OSError, ValueError, SystemExit) as e:  # e.g. the source's data moved: the other curve stays
-            rows.append(Row(label, str(path), "", sizes[0], patch, pre_size or 0, patch, skipped=f"not scored: {e}"))
+            rows += sweep(
+                path, None, sizes, label=label, accelerator=accelerator, precision=precision, limit_batches=limit_batches
+            )
+        except (OSError, ValueError, UserError, SystemExit) as e:  # e.g. the source's data moved: the other curve stays
+            rows.append(Row(label, str(path), "", sizes[0], patch, trained or 0, patch, skipped=f"not scored: {e}"))
     print(format_table(rows))
     title = f"{run.name}: top-1 against test size (pretrained at {pre_size or '?'}, fine-tuned at {ft_size})"
     paths = write_report(rows, run / "resolution", title)
-    _to_tensorboard(run, rows, title, int(_recorded(ckpt).get("global_step") or 0))
+    _to_tensorboard(run, rows, title, int(recorded.get("global_step") or 0))
     return paths
 
 
