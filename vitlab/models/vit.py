@@ -375,7 +375,9 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(self._pos_embed_for(self.pos_embed.detach(), old_grid, **resample_kwargs),
                                       requires_grad=self.pos_embed.requires_grad)  # fmt: skip
 
-    def _pos_embed_for(self, pos_embed: torch.Tensor, old_grid: tuple[int, int], **resample_kwargs: Any) -> torch.Tensor:
+    def _pos_embed_for(
+        self, pos_embed: torch.Tensor, old_grid: tuple[int, int], **resample_kwargs: Any
+    ) -> torch.Tensor:
         """`pos_embed` of grid `old_grid` for the current grid: resampled, or sin-cos drawn anew."""
         if self.config["pos_embed"] == "sincos":
             new = pos_embed.new_zeros(1, self._num_pos(), self.embed_dim)
@@ -418,9 +420,7 @@ class VisionTransformer(nn.Module):
         return self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
 
 
-def _fit_checkpoint_to_size(
-    model: VisionTransformer, state_dict: dict[str, Any], prefix: str, *args: Any
-) -> None:
+def _fit_checkpoint_to_size(model: VisionTransformer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """`load_state_dict` pre-hook: a checkpoint's position embeddings of another token grid are
     resampled to the model's (sin-cos ones drawn anew), and a patch kernel of another size is
     PI-resized, as `set_image_size` does; each change is logged. Other mismatches are left to
