@@ -304,7 +304,7 @@ def finetune_report(
             rows += sweep(
                 path, None, sizes, label=label, accelerator=accelerator, precision=precision, limit_batches=limit_batches
             )
-        except (OSError, ValueError, UserError, SystemExit) as e:  # e.g. the source's data moved: the other curve stays
+        except (OSError, ValueError, UserError, SystemExit) as e:  # e.g. the source's data moved: keep the other
             rows.append(Row(label, str(path), "", sizes[0], patch, trained or 0, patch, skipped=f"not scored: {e}"))
     print(format_table(rows))
     title = f"{run.name}: top-1 against test size (pretrained at {pre_size or '?'}, fine-tuned at {ft_size})"
