@@ -277,7 +277,9 @@ def plot_resolution(
     ax.set_ylabel("Top-1 accuracy (%)")
     if ticks:
         ax.set_xticks(sorted(ticks))
-    ax.set_ylim(0, 100)
+    values = [100 * a for _, _, acc, _ in curves for a in acc]
+    if values:  # zoomed to the curves: a few points' difference must stay visible
+        ax.set_ylim(max(0.0, min(values) - 5), min(100.0, max(values) + 5))
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=7, loc="best")
