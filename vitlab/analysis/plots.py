@@ -249,3 +249,42 @@ def plot_patch_components(
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def plot_resolution(
+    curves: Sequence[tuple[str, Sequence[int], Sequence[float], int | None]],
+    *,
+    path: str | Path | None = None,
+    title: str | None = None,
+    figsize: tuple[float, float] = (6.0, 4.0),
+    dpi: int = 100,
+) -> Figure:
+    """Top-1 accuracy against test resolution, one curve per entry of `curves`: (label, sizes in
+    pixels, top-1 in [0, 1], the size the model was trained at or None, marked with a ring)."""
+    fig = new_figure(figsize, dpi, layout="constrained")
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["tab10"]
+    ticks: set[int] = set()
+    for i, (label, sizes, acc, trained) in enumerate(curves):
+        color = cmap(i % cmap.N)
+        pct = [100 * a for a in acc]
+        ax.plot(sizes, pct, "o-", color=color, label=label, markersize=4)
+        ticks.update(sizes)
+        if trained in sizes:
+            y = pct[list(sizes).index(trained)]
+            ax.plot([trained], [y], "o", markersize=11, markerfacecolor="none", markeredgecolor=color)
+    ax.set_xlabel("Test resolution (pixels; ring: trained at)")
+    ax.set_ylabel("Top-1 accuracy (%)")
+    if ticks:
+        ax.set_xticks(sorted(ticks))
+    values = [100 * a for _, _, acc, _ in curves for a in acc]
+    if values:  # zoomed to the curves: a few points' difference must stay visible
+        ax.set_ylim(max(0.0, min(values) - 5), min(100.0, max(values) + 5))
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7, loc="best")
+    if title:
+        ax.set_title(_wrap(title, 8.5 * figsize[0]), fontsize=9)
+    if path is not None:
+        save_figure(fig, path)
+    return fig

@@ -1,4 +1,4 @@
-from vitlab.models.resize import resample_pos_embed
+from vitlab.models.resize import resample_patch_kernel, resample_pos_embed
 from vitlab.models.tokenizers import (
     ConvTokenizer, HybridEmbed, PatchEmbed, ShiftedPatchTokenizer, Tokenizer, make_tokenizer,
 )  # fmt: skip
@@ -7,6 +7,6 @@ from vitlab.models.vit import Attention, Block, Mlp, VisionTransformer, sincos_p
 
 __all__ = [
     "VARIANTS", "Attention", "Block", "ConvTokenizer", "HybridEmbed", "Mlp", "PatchEmbed", "ShiftedPatchTokenizer",
-    "Tokenizer", "VisionTransformer", "create_model", "list_models", "make_tokenizer", "resample_pos_embed",
-    "sincos_pos_embed_2d",
+    "Tokenizer", "VisionTransformer", "create_model", "list_models", "make_tokenizer", "resample_patch_kernel",
+    "resample_pos_embed", "sincos_pos_embed_2d",
 ]

@@ -1,4 +1,5 @@
-"""Position-embedding resampling: the core of fine-tuning at a new resolution (paper, section 3.2)."""
+"""Resampling for a new input size: position embeddings (the core of fine-tuning at a new resolution,
+paper section 3.2) and patch kernels (FlexiViT's pseudo-inverse resize, for a new patch size)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,22 @@ def to_2tuple(x: int | Sequence[int]) -> tuple[int, int]:
     if len(x) != 2:
         raise ValueError(f"expected an int or a pair (height, width), got {x}")
     return x  # type: ignore[return-value]
+
+
+def infer_grid(num_tokens: int, like: Sequence[int]) -> tuple[int, int]:
+    """The (h, w) grid of `num_tokens` grid tokens that a checkpoint does not record: square when it
+    can be, else of the aspect ratio of `like` (the grid it goes to)."""
+    side = math.isqrt(num_tokens)
+    if side * side == num_tokens:
+        return (side, side)
+    h, w = to_2tuple(like)
+    for rows in range(1, num_tokens + 1):
+        if num_tokens % rows == 0 and rows * w == num_tokens // rows * h:
+            return (rows, num_tokens // rows)
+    raise ValueError(
+        f"the checkpoint's {num_tokens} position embeddings form neither a square grid nor one shaped like "
+        f"the model's {h}x{w}; build the model at the img_size the checkpoint was trained at"
+    )
 
 
 def resample_pos_embed(
@@ -62,3 +79,29 @@ def resample_pos_embed(
         grid = F.interpolate(grid, size=new_grid, mode=mode, align_corners=align_corners, antialias=antialias)
     grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(dtype)
     return torch.cat([prefix, grid], dim=1)
+
+
+def resample_patch_kernel(
+    weight: torch.Tensor, new_size: int | Sequence[int], *, mode: str = "bicubic", antialias: bool = True
+) -> torch.Tensor:
+    """FlexiViT's pseudo-inverse resize (arXiv 2212.08013) of a patch-embedding kernel `[D, C, p, p]`.
+
+    With `R` the matrix of resizing a p x p patch to the new size (`F.interpolate`, here bicubic with
+    antialias as FlexiViT and timm), the new kernel is `w' = pinv(R^T) w`: a patch resized with `R`
+    then projected with `w'` gives the token the old patch gave with `w` (exactly when growing the
+    kernel, in the least-squares sense when shrinking it).
+    """
+    new_size = to_2tuple(new_size)
+    old_size = tuple(weight.shape[-2:])
+    if weight.ndim != 4:
+        raise ValueError(f"expected a patch kernel [out, in, h, w], got shape {tuple(weight.shape)}")
+    if old_size == new_size:
+        return weight
+    n_old = old_size[0] * old_size[1]
+    # Row i of `basis` resized is R's column i: what a one-hot pixel of the old patch becomes.
+    basis = torch.eye(n_old, dtype=torch.float64, device=weight.device).reshape(n_old, 1, *old_size)
+    resized = F.interpolate(basis, size=new_size, mode=mode, antialias=antialias, align_corners=False)
+    resize_t = resized.reshape(n_old, -1)  # R^T: [old pixels, new pixels]
+    flat = weight.detach().to(torch.float64).reshape(*weight.shape[:2], n_old)
+    new = flat @ torch.linalg.pinv(resize_t.T)  # each output row: w^T pinv(R) = (pinv(R^T) w)^T
+    return new.reshape(*weight.shape[:2], *new_size).to(weight.dtype)

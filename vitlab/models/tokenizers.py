@@ -17,7 +17,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from vitlab.models.resize import resample_patch_kernel
 from vitlab.models.resnet import resnet_backbone
+
+
+def token_grid(img_size: tuple[int, int], patch_size: int) -> tuple[int, int]:
+    """The token grid of `img_size`; a ValueError naming the nearest valid sizes when it does not divide."""
+    h, w = img_size
+    p = patch_size
+    if h % p or w % p or h < 1 or w < 1:
+        raise ValueError(
+            f"img_size {h}x{w} is not a multiple of patch_size {p}; "
+            f"use e.g. {max(p, h // p * p)}x{max(p, w // p * p)} or {max(p, -(-h // p) * p)}x{max(p, -(-w // p) * p)}"
+        )
+    return (h // p, w // p)
 
 
 class Tokenizer(nn.Module):
@@ -32,15 +45,19 @@ class Tokenizer(nn.Module):
         self.set_grid(img_size)
 
     def set_grid(self, img_size: tuple[int, int]) -> None:
-        h, w = img_size
-        p = self.patch_size
-        if h % p or w % p:
-            raise ValueError(
-                f"img_size {h}x{w} is not a multiple of patch_size {p}; "
-                f"use e.g. {max(p, h // p * p)}x{max(p, w // p * p)} or {-(-h // p) * p}x{-(-w // p) * p}"
-            )
-        self.img_size = (h, w)
-        self.grid_size = (h // p, w // p)
+        self.grid_size = token_grid(img_size, self.patch_size)
+        self.img_size = (img_size[0], img_size[1])
+
+    def set_patch_size(self, patch_size: int) -> None:
+        """Change the patch size in place, resampling what depends on it; only `PatchEmbed` can."""
+        raise ValueError(
+            f"stem={self.stem!r} cannot change its patch size ({self.patch_size} -> {patch_size}): "
+            f"{self.fixed_patch_reason()}; keep patch_size={self.patch_size} and change img_size instead "
+            "(the token grid follows it), or use stem='patch'"
+        )
+
+    def fixed_patch_reason(self) -> str:
+        return "its weights are not a kernel over one patch"
 
     def check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4:
@@ -96,6 +113,23 @@ class PatchEmbed(Tokenizer):
     def init_weights(self) -> None:
         _lecun_normal_(self.proj)
 
+    def set_patch_size(self, patch_size: int) -> None:
+        """A new patch size with the kernel PI-resized (`resample_patch_kernel`); set the grid after."""
+        if patch_size == self.patch_size:
+            return
+        if patch_size < 1:
+            raise ValueError(f"patch_size must be >= 1, got {patch_size}")
+        old = self.proj
+        proj = nn.Conv2d(old.in_channels, old.out_channels, patch_size, patch_size, bias=old.bias is not None,
+                         device=old.weight.device, dtype=old.weight.dtype)  # fmt: skip
+        with torch.no_grad():
+            proj.weight.copy_(resample_patch_kernel(old.weight, patch_size))
+            if old.bias is not None:
+                proj.bias.copy_(old.bias)
+        proj.requires_grad_(old.weight.requires_grad)
+        self.proj = proj
+        self.patch_size = patch_size
+
 
 class ConvTokenizer(Tokenizer):
     """log2(patch_size) stages of conv3x3-ReLU-maxpool (CCT, arXiv 2104.05704)."""
@@ -124,6 +158,10 @@ class ConvTokenizer(Tokenizer):
     def tokenize(self, x: torch.Tensor) -> torch.Tensor:
         return self.convs(x).flatten(2).transpose(1, 2)
 
+    def fixed_patch_reason(self) -> str:
+        return (f"its patch size is its number of conv-and-pool stages (log2 {self.patch_size} = {len(self.convs)}), "
+                "not a kernel to resample")
+
 
 class ShiftedPatchTokenizer(Tokenizer):
     """Shifted patch tokenization (arXiv 2112.13492): the image and its four half-patch diagonal
@@ -145,6 +183,9 @@ class ShiftedPatchTokenizer(Tokenizer):
         x = torch.cat([x, *shifts], dim=1)
         x = rearrange(x, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=self.patch_size, p2=self.patch_size)
         return self.proj(self.norm(x))
+
+    def fixed_patch_reason(self) -> str:
+        return "its LayerNorm normalises each flattened patch over its own pixels, which has no resampled equivalent"
 
 
 class HybridEmbed(Tokenizer):
@@ -176,6 +217,11 @@ class HybridEmbed(Tokenizer):
 
     def tokenize(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)
+
+    def fixed_patch_reason(self) -> str:
+        stride = self.patch_size // self.proj.kernel_size[0]
+        return (f"its patch size is the ResNet's stride ({stride}) times the projection's kernel "
+                f"({self.proj.kernel_size[0]}), and the ResNet's convolutions are not patch kernels")
 
     def init_weights(self) -> None:
         _lecun_normal_(self.proj)

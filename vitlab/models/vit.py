@@ -10,6 +10,7 @@ locality self-attention (arXiv 2112.13492), sequence pooling (CCT) and DeiT's di
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
@@ -20,8 +21,10 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
-from vitlab.models.resize import resample_pos_embed, to_2tuple
-from vitlab.models.tokenizers import make_tokenizer
+from vitlab.models.resize import infer_grid, resample_patch_kernel, resample_pos_embed, to_2tuple
+from vitlab.models.tokenizers import make_tokenizer, token_grid
+
+log = logging.getLogger("vitlab")
 
 Pool = Literal["token", "avg", "seq"]
 PosEmbed = Literal["learn", "sincos"]
@@ -244,6 +247,9 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(representation_size or embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.head_dist = self._new_head(num_classes) if distilled else None
         self.init_weights()
+        # A checkpoint saved at another input size (or patch size) loads resampled: `vitlab validate
+        # --data.img_size=S` evaluates a model trained at another size.
+        self.register_load_state_dict_pre_hook(_fit_checkpoint_to_size)
 
     def init_weights(self) -> None:
         for m in self.modules():
@@ -349,24 +355,38 @@ class VisionTransformer(nn.Module):
 
     # ---- fine-tuning -----------------------------------------------------------------------------
 
-    def set_image_size(self, img_size: int | tuple[int, int], **resample_kwargs: Any) -> None:
-        """Resample the position embeddings to a new input size, in place (the fine-tune core)."""
+    def set_image_size(self, img_size: int | tuple[int, int], patch_size: int | None = None,
+                       **resample_kwargs: Any) -> None:
+        """Resample the model to a new input size, in place (the fine-tune core): the position
+        embeddings to the new token grid and, with `patch_size`, the patch kernel by FlexiViT's
+        pseudo-inverse resize (arXiv 2212.08013; stem='patch' only). `resample_kwargs` go to
+        `resample_pos_embed`. The same result as timm's `set_input_size(img_size, patch_size)`."""
         img_size = to_2tuple(img_size)
         old_grid = self.patch_embed.grid_size
+        if patch_size is not None and patch_size != self.patch_embed.patch_size:
+            token_grid(img_size, patch_size)  # fail before changing anything
+            self.patch_embed.set_patch_size(patch_size)
+            self.config["patch_size"] = patch_size
         self.patch_embed.set_grid(img_size)
         self.config["img_size"] = list(img_size)
         self.data_config["img_size"] = list(img_size)
         if self.patch_embed.grid_size == old_grid:
             return
+        self.pos_embed = nn.Parameter(self._pos_embed_for(self.pos_embed.detach(), old_grid, **resample_kwargs),
+                                      requires_grad=self.pos_embed.requires_grad)  # fmt: skip
+
+    def _pos_embed_for(
+        self, pos_embed: torch.Tensor, old_grid: tuple[int, int], **resample_kwargs: Any
+    ) -> torch.Tensor:
+        """`pos_embed` of grid `old_grid` for the current grid: resampled, or sin-cos drawn anew."""
         if self.config["pos_embed"] == "sincos":
-            self.pos_embed = nn.Parameter(self.pos_embed.new_zeros(1, self._num_pos(), self.embed_dim), False)
-            self._init_pos_embed()
-            return
-        new = resample_pos_embed(
-            self.pos_embed.detach(), self.patch_embed.grid_size, old_grid=old_grid,
-            num_prefix_tokens=self.num_prefix_tokens, **resample_kwargs,
+            new = pos_embed.new_zeros(1, self._num_pos(), self.embed_dim)
+            new[0, self.num_prefix_tokens :] = sincos_pos_embed_2d(self.patch_embed.grid_size, self.embed_dim)
+            return new
+        return resample_pos_embed(
+            pos_embed, self.patch_embed.grid_size, old_grid=old_grid, num_prefix_tokens=self.num_prefix_tokens,
+            **resample_kwargs,
         )  # fmt: skip
-        self.pos_embed = nn.Parameter(new)
 
     def reset_head(self, num_classes: int) -> None:
         """Swap in a zero-initialised linear head (both heads of a distilled model) and drop the
@@ -398,3 +418,30 @@ class VisionTransformer(nn.Module):
 
     def _num_pos(self) -> int:
         return self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
+
+
+def _fit_checkpoint_to_size(model: VisionTransformer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """`load_state_dict` pre-hook: a checkpoint's position embeddings of another token grid are
+    resampled to the model's (sin-cos ones drawn anew), and a patch kernel of another size is
+    PI-resized, as `set_image_size` does; each change is logged. Other mismatches are left to
+    `load_state_dict` to report."""
+    key, kernel_key = f"{prefix}pos_embed", f"{prefix}patch_embed.proj.weight"
+    kernel = state_dict.get(kernel_key)
+    if model.patch_embed.stem == "patch" and isinstance(kernel, torch.Tensor) and kernel.ndim == 4:
+        old, new = tuple(kernel.shape[-2:]), model.patch_embed.proj.kernel_size
+        if old != tuple(new) and kernel.shape[:2] == model.patch_embed.proj.weight.shape[:2]:
+            state_dict[kernel_key] = resample_patch_kernel(kernel, new)
+            log.warning("patch %d -> %d: kernel PI-resized (the checkpoint's patch size differs from the model's)",
+                        old[0], new[0])  # fmt: skip
+    pos = state_dict.get(key)
+    if not isinstance(pos, torch.Tensor) or pos.ndim != 3 or pos.shape == model.pos_embed.shape:
+        return
+    if pos.shape[-1] != model.embed_dim or pos.shape[1] <= model.num_prefix_tokens:
+        return
+    grid = model.patch_embed.grid_size
+    old_grid = infer_grid(pos.shape[1] - model.num_prefix_tokens, like=grid)
+    state_dict[key] = model._pos_embed_for(pos.detach(), old_grid)
+    h, w = model.patch_embed.img_size
+    how = "drawn anew (sin-cos)" if model.config["pos_embed"] == "sincos" else "resampled"
+    log.warning("pos_embed %s from the checkpoint's %dx%d token grid to %dx%d (img_size %dx%d)",
+                how, *old_grid, *grid, h, w)  # fmt: skip

@@ -196,11 +196,14 @@ class ViTClassifier(L.LightningModule):
         expected = {**variant_config(self.hparams.arch), **(self.hparams.model_args or {})}
         if expected.get("distilled"):  # a plain ViT source gets a distillation token copied from its class token
             config["distilled"] = True
-        model = load_pretrained(
-            path, img_size=config.pop("img_size", None), num_classes=config.pop("num_classes", None), config=config
-        )
+        # A new patch size and input size are applied together after loading (kernel PI-resized, position
+        # embeddings resampled once from the source's grid, as timm's set_input_size does).
+        img_size, patch_size = config.pop("img_size", None), config.pop("patch_size", None)
+        model = load_pretrained(path, num_classes=config.pop("num_classes", None), config=config)
         if not isinstance(model, VisionTransformer):
             raise TypeError(f"load_pretrained returned {type(model).__name__}, expected a VisionTransformer")
+        old_patch = model.patch_embed.patch_size
+        model.set_image_size(img_size or model.config["img_size"], patch_size=patch_size)
         # `arch` still names the size: a mismatch is almost always a wrong path or a wrong arch.
         for key in ("embed_dim", "depth", "num_heads"):
             if model.config[key] != expected[key]:
@@ -217,6 +220,9 @@ class ViTClassifier(L.LightningModule):
             "pos_embed_grid": f"{fmt(old_grid)} -> {fmt(new_grid)}",
             "num_classes": f"{old_classes} -> {new_classes}",
         }
+        new_patch = model.patch_embed.patch_size
+        if new_patch != old_patch:
+            self.init_summary["patch_size"] = f"{old_patch} -> {new_patch} (kernel PI-resized)"
         head = " (new zero-initialised head, pre-logits dropped)" if old_classes != new_classes else ""
         new = [k for k in model.state_dict() if k.startswith(("head.", "head_dist."))] if head else []
         if model.distilled and source is not None and not source.get("distilled"):
@@ -228,7 +234,9 @@ class ViTClassifier(L.LightningModule):
         self.init_summary.update(tensors_kept=str(len(kept)), tensors_new=", ".join(new) or "none",
                                  tensors_dropped=listed)  # fmt: skip
         rank_zero_info(
-            f"init_from {path}: position-embedding grid {old_grid} -> {new_grid}, "
+            f"init_from {path}: "
+            f"{f'patch {old_patch} -> {new_patch}, kernel PI-resized; ' if new_patch != old_patch else ''}"
+            f"position-embedding grid {old_grid} -> {new_grid}, "
             f"classes {old_classes} -> {new_classes}{head}; tensors: {len(kept)} kept"
             f"{' (pos_embed resampled)' if old_grid != new_grid else ''}, new: {', '.join(new) or 'none'}, "
             f"dropped: {listed}"
