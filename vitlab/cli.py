@@ -1,7 +1,8 @@
 """`vitlab` command line.
 
 Training runs through LightningCLI (`vitlab fit|validate|test --config recipes/...yaml`); the tools
-that work on a finished checkpoint are plain subcommands: `predict`, `explain`, `inspect`, `export`.
+that work on a finished checkpoint are plain subcommands: `predict`, `explain`, `inspect`, `export`,
+`resolution` (top-1 against test size); `index-shards` writes a shard folder's index ahead of training.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vitlab.train.run_defaults import checkpoint_dir
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
 TOOLS = ("predict", "explain", "inspect", "export")
+CKPT_HELP = "a path (any format load_pretrained reads), hf-hub:ORG/NAME[@REVISION] or an https:// URL"
 DEFAULT_MODEL = "vitlab.train.ViTClassifier"  # the LightningModule of a `model:` section without a class_path
 # `--ckpt_path last` resumes from <run_dir>/checkpoints/last.ckpt and fails when there is none;
 # `--ckpt_path last-if-present` resumes when it is there and starts fresh when not (Lightning's own "last"
@@ -361,19 +363,19 @@ def _tool_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitlab", description="vitlab checkpoint tools")
     sub = parser.add_subparsers(dest="tool", required=True)
     p = sub.add_parser("predict", help="print the top-k classes for images")
-    p.add_argument("--ckpt", required=True, help="checkpoint (any format load_pretrained reads)")
+    p.add_argument("--ckpt", required=True, help=CKPT_HELP)
     p.add_argument("--topk", type=_positive_int, default=5)
     p.add_argument("images", nargs="+")
     p = sub.add_parser("explain", help="attention rollout heat-map and top-5 predictions for one image")
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ckpt", required=True, help=CKPT_HELP)
     p.add_argument("--image", required=True)
     p.add_argument("--out", default=None, help="output PNG (default: <image>_explain.png)")
     p = sub.add_parser("inspect", help="attention distance, position-embedding similarity and filter figures")
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ckpt", required=True, help=CKPT_HELP)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--images", nargs="*", default=None, help="images for the attention-distance figure")
     p = sub.add_parser("export", help="write a checkpoint for vitlab, HF transformers, timm or ONNX Runtime")
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ckpt", required=True, help=CKPT_HELP)
     p.add_argument("--format", choices=FORMATS, default="vitlab",
                    help="vitlab: model.safetensors + config.json; hf: a ViTForImageClassification folder; "
                         "timm: a timm hub folder; onnx: model.onnx (needs pip install 'vitlab[onnx]')")  # fmt: skip
@@ -418,6 +420,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    if argv and argv[0] == "resolution":
+        from vitlab.analysis.resolution import main as resolution_main
+
+        return resolution_main(argv[1:])
+    if argv and argv[0] == "index-shards":
+        from vitlab.data.shard_index import main as index_shards_main
+
+        return index_shards_main(argv[1:])
     if argv and argv[0] in TOOLS:
         return run_tool(argv)
     try:
