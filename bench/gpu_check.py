@@ -70,10 +70,14 @@ class Profile:
     log_every: int | None  # None: the recipe's log_every_n_steps
     model_args: dict[str, Any]  # merged into every recipe's model_args (CPU: a tiny model)
     batch_size: int | None  # None: the recipe's
-    recipe_epochs: int
+    recipe_epochs: int  # the schedule's length; the *_seconds caps stop a slower run early
+    recipe_seconds: int
     pretrain_epochs: int
+    pretrain_seconds: int
     finetune_epochs: int
-    max_time: str  # each fit's cap, DD:HH:MM:SS
+    finetune_seconds: int
+    transfer_val_every: int  # validate (and save last.ckpt) every N epochs in the transfer runs
+    limit_batches: int | None  # CPU: at most this many train (and a quarter as many val) batches per epoch
     sync_steps: tuple[int, int]  # host syncs counted over these training steps [first, last)
     resume_steps: int
     resume_every: int
@@ -83,6 +87,7 @@ class Profile:
 
 GPU = Profile(
     matmul_n=8192,
+    # One compiled row: compiling four candidates costs a minute or more per row.
     bench_rows=[("ti4-32", False), ("s16-224", False), ("ti4-32-bf16", False), ("s16-224-bf16", True)],
     bench_batch=None,
     bench=bench_model.Settings(warmup=3, repeats=3, iters=None, min_time=0.3),
@@ -91,10 +96,14 @@ GPU = Profile(
     log_every=None,
     model_args={},
     batch_size=None,
-    recipe_epochs=10,
-    pretrain_epochs=30,
-    finetune_epochs=10,
-    max_time="00:00:02:00",
+    recipe_epochs=15,
+    recipe_seconds=90,
+    pretrain_epochs=40,
+    pretrain_seconds=50,
+    finetune_epochs=20,
+    finetune_seconds=40,
+    transfer_val_every=5,
+    limit_batches=None,
     sync_steps=(20, 40),
     resume_steps=60,
     resume_every=20,
@@ -112,9 +121,13 @@ CPU = Profile(
     model_args={"embed_dim": 32, "depth": 1, "num_heads": 2},
     batch_size=16,
     recipe_epochs=1,
+    recipe_seconds=120,
     pretrain_epochs=1,
+    pretrain_seconds=120,
     finetune_epochs=1,
-    max_time="00:00:01:00",
+    finetune_seconds=120,
+    transfer_val_every=1,
+    limit_batches=12,
     sync_steps=(2, 4),
     resume_steps=6,
     resume_every=2,
@@ -170,19 +183,36 @@ def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int =
     return 2 * n**3 * iters / seconds / 1e12
 
 
+def import_all_modules() -> dict[str, str]:
+    """Import every vitlab module: an API this torch / torchvision / Lightning lacks fails here first.
+    Returns {module: error} for those that fail."""
+    import importlib
+    import pkgutil
+
+    broken = {}
+    for info in pkgutil.walk_packages(vitlab.__path__, "vitlab."):
+        try:
+            importlib.import_module(info.name)
+        except Exception as e:
+            broken[info.name] = f"{type(e).__name__}: {e}"[:200]
+    return broken
+
+
 def section_environment(ctx: Context) -> list[Row]:
     import torchvision
 
     env: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
         "lightning": L.__version__, "vitlab": vitlab.__version__, "cuda": torch.version.cuda,
-        "cpu_count": os.cpu_count(), "wandb_imported": "wandb" in sys.modules,
+        "cpu_count": os.cpu_count(),
     }  # fmt: skip
-    for name in ("torchmetrics", "timm", "numpy", "jsonargparse", "webdataset", "torchdata"):
+    for name in ("torchmetrics", "timm", "numpy", "jsonargparse", "webdataset", "torchdata", "datasets"):
         try:
             env[name] = __import__(name).__version__
-        except Exception:  # a missing optional package is information, not a failure
-            env[name] = None
+        except Exception as e:  # a missing optional package is information, not a failure
+            env[name] = f"not importable: {type(e).__name__}: {e}"[:200]
+    broken = import_all_modules()
+    env["wandb_imported"] = "wandb" in sys.modules  # every vitlab module is loaded now: none may need wandb
     if ctx.cuda:
         env["gpu"] = torch.cuda.get_device_name(ctx.device)
         env["driver"] = _driver()
@@ -197,6 +227,8 @@ def section_environment(ctx: Context) -> list[Row]:
         Row("driver", env["driver"] or "-"),
         Row("versions", f"torch {env['torch']}, torchvision {env['torchvision']}, lightning {env['lightning']}, "
                         f"torchmetrics {env['torchmetrics']}, timm {env['timm']}"),  # fmt: skip
+        Row("vitlab modules import", "all" if not broken else "; ".join(f"{k}: {v}" for k, v in broken.items()),
+            not broken, broken=broken),
         Row("peak bf16 matmul", f"{peak:.1f} TFLOP/s (n={ctx.profile.matmul_n})", peak > 0, tflops=peak),
     ]
 
@@ -262,6 +294,11 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def max_time(seconds: int) -> str:
+    """Lightning's DD:HH:MM:SS."""
+    return f"00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
 def recipe_config(ctx: Context, recipe: str, name: str, trainer: dict[str, Any]) -> Path:
     """The recipe with this check's budget (and, on CPU, its tiny model and device) written beside the run."""
     cfg = yaml.safe_load((ROOT / recipe).read_text())
@@ -269,12 +306,15 @@ def recipe_config(ctx: Context, recipe: str, name: str, trainer: dict[str, Any])
     model: dict[str, Any] = {"compile": p.compile_fit and cfg["model"].get("compile", False)}
     if p.model_args:
         model["model_args"] = p.model_args
-    over: dict[str, Any] = {"trainer": {"max_time": p.max_time, "enable_progress_bar": False, **trainer},
+    over: dict[str, Any] = {"trainer": {"enable_progress_bar": False, **trainer},
                             "model": model}  # fmt: skip
     if not ctx.cuda:
         over["trainer"]["accelerator"] = "cpu"
     if p.log_every and "log_every_n_steps" not in trainer:
         over["trainer"]["log_every_n_steps"] = p.log_every
+    if p.limit_batches:
+        over["trainer"].setdefault("limit_train_batches", p.limit_batches)
+        over["trainer"].setdefault("limit_val_batches", max(1, p.limit_batches // 4))
     cfg = deep_merge(cfg, over)
     path = ctx.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -320,6 +360,11 @@ class Fit:
 
     def series(self, key: str) -> list[float]:
         return [float(r[key]) for r in self.metrics() if r.get(key) not in (None, "")]
+
+    def epochs(self) -> int:
+        """Training epochs run (the CSV log's last epoch + 1): fewer than asked when max_time stopped it."""
+        done = self.series("epoch")
+        return int(max(done)) + 1 if done else 0
 
     def checkpoint(self) -> dict[str, Any] | None:
         path = self.run_dir / "checkpoints" / "last.ckpt"
@@ -443,13 +488,14 @@ class SyncCounter(L.Callback):
 
 def section_recipe(ctx: Context) -> list[Row]:
     p = ctx.profile
-    config = recipe_config(ctx, CIFAR_RECIPE, "cifar10", {"max_epochs": p.recipe_epochs})
+    config = recipe_config(ctx, CIFAR_RECIPE, "cifar10",
+                           {"max_epochs": p.recipe_epochs, "max_time": max_time(p.recipe_seconds)})  # fmt: skip
     sync_out = ctx.work / "syncs.json"
     args = data_args(ctx, "cifar10/train", val_fraction=0.1) + [
         "--trainer.callbacks+=gpu_check.SyncCounter",
         f"--trainer.callbacks.first={p.sync_steps[0]}", f"--trainer.callbacks.last={p.sync_steps[1]}",
     ]  # fmt: skip
-    fit = vitlab_fit(ctx, "cifar10", config, args, timeout=240, env=child_env(**{SYNC_ENV: str(sync_out)}))
+    fit = vitlab_fit(ctx, "cifar10", config, args, timeout=p.recipe_seconds + 120, env=child_env(**{SYNC_ENV: str(sync_out)}))
     require(fit, "vitlab fit (CIFAR-10 GPU recipe)")
     acc, ips = fit.last("val/acc1"), throughput(fit)
     flops = fit.series("train/device/flops_per_sec")
@@ -458,8 +504,8 @@ def section_recipe(ctx: Context) -> list[Row]:
     ckpt = fit.checkpoint()
     ctx.results["cifar_run"] = fit.run_dir
     rows = [
-        Row("CIFAR-10 recipe", f"{ckpt['epoch'] + 1 if ckpt else '?'} epochs, {ckpt['global_step'] if ckpt else '?'} "
-                               f"steps in {fit.seconds / 60:.2f} min (compile included)", ckpt is not None,
+        Row("CIFAR-10 recipe", f"{fit.epochs()}/{p.recipe_epochs} epochs, {ckpt['global_step'] if ckpt else '?'} "
+                               f"steps in {fit.seconds / 60:.2f} min (wall: start, data decode, compile included)", ckpt is not None,
             minutes=fit.seconds / 60, steps=ckpt and ckpt["global_step"]),  # fmt: skip
         Row("CIFAR-10 val top-1", "-" if acc is None else f"{100 * acc:.2f}%", acc is not None, acc1=acc),
         Row("CIFAR-10 train img/s", "-" if ips is None else f"{ips:.0f} img/s"
@@ -489,24 +535,27 @@ def sync_row(ctx: Context, path: Path) -> Row:
 
 def section_transfer(ctx: Context) -> list[Row]:
     p = ctx.profile
-    pre_cfg = recipe_config(ctx, PRETRAIN_RECIPE, "pretrain", {"max_epochs": p.pretrain_epochs})
-    pre = vitlab_fit(ctx, "pretrain", pre_cfg, data_args(ctx, "tinyimagenet"), timeout=200)
+    every = {"check_val_every_n_epoch": p.transfer_val_every}
+    pre_cfg = recipe_config(ctx, PRETRAIN_RECIPE, "pretrain",
+                            {"max_epochs": p.pretrain_epochs, "max_time": max_time(p.pretrain_seconds), **every})
+    pre = vitlab_fit(ctx, "pretrain", pre_cfg, data_args(ctx, "tinyimagenet"), timeout=p.pretrain_seconds + 120)
     require(pre, "vitlab fit (Tiny-ImageNet pretrain)")
     last = pre.run_dir / "checkpoints" / "last.ckpt"
-    fine_cfg = recipe_config(ctx, FINETUNE_RECIPE, "finetune", {"max_epochs": p.finetune_epochs})
+    fine_cfg = recipe_config(ctx, FINETUNE_RECIPE, "finetune",
+                             {"max_epochs": p.finetune_epochs, "max_time": max_time(p.finetune_seconds), **every})
     fine = vitlab_fit(ctx, "finetune", fine_cfg,
                       data_args(ctx, "imagenette/train", val_fraction=0.1) + ["--model.init_from", str(last)],
-                      timeout=200)  # fmt: skip
+                      timeout=p.finetune_seconds + 120)  # fmt: skip
     require(fine, "vitlab fit (Imagenette fine-tune)")
     a, b = pre.last("val/acc1"), fine.last("val/acc1")
     pre_res = yaml.safe_load(pre_cfg.read_text())["data"]["init_args"]["img_size"]
     fine_res = yaml.safe_load(fine_cfg.read_text())["data"]["init_args"]["img_size"]
     return [
         Row(f"pretrain Tiny-ImageNet {pre_res}px", f"top-1 {'-' if a is None else f'{100 * a:.2f}%'} in "
-            f"{pre.seconds / 60:.2f} min ({p.pretrain_epochs} epochs, {throughput(pre) or 0:.0f} img/s)",
+            f"{pre.seconds / 60:.2f} min ({pre.epochs()}/{p.pretrain_epochs} epochs, {throughput(pre) or 0:.0f} img/s)",
             a is not None, acc1=a, minutes=pre.seconds / 60, ips=throughput(pre)),  # fmt: skip
         Row(f"fine-tune Imagenette {fine_res}px", f"top-1 {'-' if b is None else f'{100 * b:.2f}%'} in "
-            f"{fine.seconds / 60:.2f} min ({p.finetune_epochs} epochs, {throughput(fine) or 0:.0f} img/s)",
+            f"{fine.seconds / 60:.2f} min ({fine.epochs()}/{p.finetune_epochs} epochs, {throughput(fine) or 0:.0f} img/s)",
             b is not None, acc1=b, minutes=fine.seconds / 60, ips=throughput(fine)),  # fmt: skip
     ]
 
@@ -515,11 +564,11 @@ def section_transfer(ctx: Context) -> list[Row]:
 
 
 def cifar_images(ctx: Context, n: int, mean: list[float], std: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `n` CIFAR-10 images of the carried shards, normalised, and their labels."""
+    """The first `n` images of the carried CIFAR-10 subset, normalised, and their labels."""
     from PIL import Image
 
     images, labels = [], []
-    for shard in sorted((ctx.data / "cifar10" / "train").glob("*.tar*")):
+    for shard in sorted((ctx.data / "cifar10-small" / "train").glob("*.tar*")):
         with tarfile.open(shard) as tar:
             members = {m.name: m for m in tar if m.isfile()}
             for name in sorted(k for k in members if k.endswith(".jpg")):
@@ -608,7 +657,7 @@ def resume_row(ctx: Context) -> Row:
     cfg = yaml.safe_load(config.read_text())
     cfg["model"]["compile"] = False  # the kill tests checkpoints; compile time buys nothing here
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    args = data_args(ctx, "cifar10/train", val_fraction=0.1) + [f"--checkpoint_every_n_steps={p.resume_every}"]
+    args = data_args(ctx, "cifar10-small/train", val_fraction=0.1) + [f"--checkpoint_every_n_steps={p.resume_every}"]
     ref = vitlab_fit(ctx, "resume-ref", config, args, timeout=120)
     require(ref, "uninterrupted run")
     killed_at: list[int] = []
@@ -656,7 +705,7 @@ def section_distributed(ctx: Context) -> list[Row]:
     cfg = yaml.safe_load(config.read_text())
     cfg["model"]["compile"] = False  # process-group setup and collectives are the point, not speed
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    fit = vitlab_fit(ctx, "ddp", config, data_args(ctx, "cifar10/train", val_fraction=0.1), timeout=150,
+    fit = vitlab_fit(ctx, "ddp", config, data_args(ctx, "cifar10-small/train", val_fraction=0.1), timeout=150,
                      torchrun=True)  # fmt: skip
     require(fit, "torchrun vitlab fit (DDP)")
     log = fit.log.read_text(errors="replace")
@@ -675,13 +724,15 @@ def section_distributed(ctx: Context) -> list[Row]:
 # ---- report -------------------------------------------------------------------------------------
 
 SECTIONS: list[tuple[str, Callable[[Context], list[Row]], float]] = [
-    # (name, function, seconds it needs at least on a GPU: skipped, and recorded so, when less is left)
+    # (name, function, seconds it needs at least on a GPU: skipped, and recorded so, when less is left).
+    # The correctness checks run early (they reuse the recipe's model); the long speed and transfer
+    # runs last, where a short budget cuts them first.
     ("environment", section_environment, 5),
-    ("speed", section_speed, 30),
     ("recipe", section_recipe, 60),
-    ("transfer", section_transfer, 60),
     ("correctness", section_correctness, 45),
     ("distributed", section_distributed, 20),
+    ("speed", section_speed, 30),
+    ("transfer", section_transfer, 60),
 ]
 
 
@@ -732,6 +783,19 @@ def run_sections(ctx: Context, only: list[str] | None) -> dict[str, Any]:
     return sections
 
 
+def with_overrides(profile: Profile, pairs: list[str]) -> Profile:
+    """`--set recipe_epochs=20`: a scalar field of the profile, parsed as its current value's type."""
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        field, _, value = pair.partition("=")
+        current = getattr(profile, field, None)
+        if current is None or isinstance(current, (list, dict, tuple, bench_model.Settings)) or not value:
+            scalars = [f.name for f in dataclasses.fields(profile) if isinstance(getattr(profile, f.name), (int, str))]
+            raise SystemExit(f"--set {pair}: give FIELD=VALUE with FIELD one of {', '.join(scalars)}")
+        changes[field] = (value.lower() in ("1", "true", "yes")) if isinstance(current, bool) else type(current)(value)
+    return dataclasses.replace(profile, **changes)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -740,9 +804,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where gpu_check.json and gpu_check.md go (default: $OUT)")  # fmt: skip
     p.add_argument("--work", type=Path, default=None, help="run folders and logs (default: a temporary folder)")
-    p.add_argument("--budget", type=float, default=420.0,
-                   help="seconds for the whole check: a section that would not fit is skipped and recorded so")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole check: a section that would not fit is skipped and recorded so "
+                        "(default: 420 on a GPU, within the device's 10-minute command limit; 1800 on the CPU)")
     p.add_argument("--sections", default=None, help=f"comma-separated subset of: {', '.join(n for n, _, _ in SECTIONS)}")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a size or budget of the profile, e.g. --set recipe_epochs=20 (see Profile)")
     p.add_argument("--fit-args", default="", help="extra flags for every `vitlab fit` (one string, split on spaces)")
     return p.parse_args(argv)
 
@@ -764,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     only = [s.strip() for s in args.sections.split(",")] if args.sections else None
     start = time.monotonic()
-    ctx = Context(device, GPU if device.type == "cuda" else CPU, args.data.resolve(), work.resolve(),
-                  start + args.budget, args.fit_args.split())  # fmt: skip
+    ctx = Context(device, with_overrides(GPU if device.type == "cuda" else CPU, args.set), args.data.resolve(), work.resolve(),
+                  start + (args.budget or (420.0 if device.type == "cuda" else 1800.0)), args.fit_args.split())  # fmt: skip
     sections = run_sections(ctx, only)
     rows = [r for s in sections.values() for r in s["rows"]]
     checks = [r for r in rows if r["ok"] is not None]

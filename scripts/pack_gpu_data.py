@@ -9,6 +9,7 @@ classes.txt, so labels and class names are those of the full dataset.
 
 Layout written (what gpu_check.py passes as `--data_path`):
     OUT/cifar10/train/        CIFAR-10 (validation held out by key, val_fraction)
+    OUT/cifar10-small/train/  a small CIFAR-10 subset for the short runs (resume, DDP)
     OUT/tinyimagenet/train/   Tiny-ImageNet-200, all 200 classes
     OUT/tinyimagenet/val/     its official validation split
     OUT/imagenette/train/     Imagenette at 128px (validation held out by key)
@@ -26,6 +27,7 @@ from pathlib import Path
 
 SOURCES = {  # name: (source folder under --src, destination under --out)
     "cifar10": ("cifar10-train-shards", "cifar10/train"),
+    "cifar10_small": ("cifar10-train-shards", "cifar10-small/train"),
     "tinyimagenet": ("tinyimagenet-200-shards/train", "tinyimagenet/train"),
     "tinyimagenet_val": ("tinyimagenet-200-shards/val", "tinyimagenet/val"),
     "imagenette": ("imagenette-128-shards/train", "imagenette/train"),
@@ -98,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", type=Path, default=Path("../shared/data"), help="the shared data folder")
     p.add_argument("--out", type=Path, default=Path(".gpudata"))
     p.add_argument("--cifar10", type=int, default=5000, help="CIFAR-10 images per class (5000: all)")
+    p.add_argument("--cifar10-small", type=int, default=100, help="CIFAR-10 images per class, small subset")
     p.add_argument("--tinyimagenet", type=int, default=40, help="Tiny-ImageNet train images per class (200 classes)")
     p.add_argument("--tinyimagenet-val", type=int, default=10, help="Tiny-ImageNet val images per class")
     p.add_argument("--imagenette", type=int, default=200, help="Imagenette images per class (10 classes)")
     args = p.parse_args(argv)
-    per_class = {"cifar10": args.cifar10, "tinyimagenet": args.tinyimagenet,
+    per_class = {"cifar10": args.cifar10, "cifar10_small": args.cifar10_small, "tinyimagenet": args.tinyimagenet,
                  "tinyimagenet_val": args.tinyimagenet_val, "imagenette": args.imagenette}  # fmt: skip
     counts = pack(args.src, args.out, per_class)
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
