@@ -227,6 +227,7 @@ def section_environment(ctx: Context) -> list[Row]:
         Row("driver", env["driver"] or "-"),
         Row("versions", f"torch {env['torch']}, torchvision {env['torchvision']}, lightning {env['lightning']}, "
                         f"torchmetrics {env['torchmetrics']}, timm {env['timm']}"),  # fmt: skip
+        Row("packages", ", ".join(f"{k} {env[k]}" for k in ("jsonargparse", "webdataset", "torchdata", "datasets", "numpy"))),
         Row("vitlab modules import", "all" if not broken else "; ".join(f"{k}: {v}" for k, v in broken.items()),
             not broken, broken=broken),
         Row("peak bf16 matmul", f"{peak:.1f} TFLOP/s (n={ctx.profile.matmul_n})", peak > 0, tflops=peak),
@@ -253,6 +254,9 @@ def section_speed(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     results = []
     for name, compile_ in ctx.profile.bench_rows:
+        if ctx.left() < (60 if compile_ else 15) * (1 if ctx.cuda else 0.1):
+            rows.append(Row(f"{name}", f"skipped: {ctx.left():.0f} s of the budget left", False))
+            continue
         row = bench_model.ROWS[name]
         if ctx.profile.bench_batch:
             row = dataclasses.replace(row, batch=ctx.profile.bench_batch)
@@ -757,17 +761,20 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_sections(ctx: Context, only: list[str] | None) -> dict[str, Any]:
+def run_sections(ctx: Context, only: list[str] | None, write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Each section in turn, its failure recorded; the report is rewritten after each one, so that a
+    run stopped from outside still leaves the sections it finished."""
     sections: dict[str, Any] = {}
     scale = 1.0 if ctx.cuda else 0.1
     for name, fn, needs in SECTIONS:
         if only and name not in only:
             continue
         start = time.monotonic()
-        print(f"== {name}", flush=True)
+        print(f"== {name} ({ctx.left():.0f} s of the budget left)", flush=True)
         if ctx.left() < needs * scale:
             sections[name] = {"status": "skip", "seconds": 0.0, "rows": [],
                               "error": f"skipped: {ctx.left():.0f} s of the budget left, the section needs {needs} s"}
+            write(sections)
             continue
         try:
             rows = fn(ctx)
@@ -780,7 +787,34 @@ def run_sections(ctx: Context, only: list[str] | None) -> dict[str, Any]:
         sections[name]["seconds"] = time.monotonic() - start
         if ctx.cuda:
             torch.cuda.empty_cache()
+        write(sections)
     return sections
+
+
+def write_report(ctx: Context, sections: dict[str, Any], out: Path, start: float) -> dict[str, Any]:
+    rows = [r for s in sections.values() for r in s["rows"]]
+    checks = [r for r in rows if r["ok"] is not None]
+    report = {
+        "mode": "gpu" if ctx.cuda else "cpu",
+        "device": str(ctx.device),
+        "profile": dataclasses.asdict(ctx.profile),
+        "minutes": (time.monotonic() - start) / 60,
+        "checks": len(checks),
+        "passed": sum(bool(r["ok"]) for r in checks),
+        "failed": sum(r["ok"] is False for r in checks) + sum(s["status"] != "pass" and not s["rows"]
+                                                             for s in sections.values()),
+        "all_passed": bool(sections) and all(s["status"] == "pass" for s in sections.values()),
+        "sections": sections,
+        "speed_rows": ctx.results.get("speed"),
+        "work": str(ctx.work),
+    }  # fmt: skip
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+    # The runs' own logs, for a failure the table's one line does not explain (the device returns a few files).
+    with tarfile.open(out / "gpu_check_logs.tar.gz", "w:gz") as tar:
+        for log in sorted(ctx.work.glob("*.log")) + sorted(ctx.work.glob("*.yaml")):
+            tar.add(log, arcname=log.name)
+    return report
 
 
 def with_overrides(profile: Profile, pairs: list[str]) -> Profile:
@@ -833,28 +867,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     ctx = Context(device, with_overrides(GPU if device.type == "cuda" else CPU, args.set), args.data.resolve(), work.resolve(),
                   start + (args.budget or (420.0 if device.type == "cuda" else 1800.0)), args.fit_args.split())  # fmt: skip
-    sections = run_sections(ctx, only)
-    rows = [r for s in sections.values() for r in s["rows"]]
-    checks = [r for r in rows if r["ok"] is not None]
-    report = {
-        "mode": "gpu" if ctx.cuda else "cpu",
-        "device": str(device),
-        "profile": dataclasses.asdict(ctx.profile),
-        "minutes": (time.monotonic() - start) / 60,
-        "checks": len(checks),
-        "passed": sum(bool(r["ok"]) for r in checks),
-        "failed": sum(r["ok"] is False for r in checks) + sum(s["status"] != "pass" and not s["rows"]
-                                                             for s in sections.values()),
-        "all_passed": all(s["status"] == "pass" for s in sections.values()),
-        "sections": sections,
-        "speed_rows": ctx.results.get("speed"),
-        "work": str(work),
-    }  # fmt: skip
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md = markdown(report)
-    (args.out / "gpu_check.md").write_text(md)
-    print(md)
-    print(f"wrote {args.out / 'gpu_check.json'} and {args.out / 'gpu_check.md'}")
+    sections = run_sections(ctx, only, lambda secs: write_report(ctx, secs, args.out, start))
+    report = write_report(ctx, sections, args.out, start)
+    print(markdown(report))
+    print(f"wrote gpu_check.json, gpu_check.md and gpu_check_logs.tar.gz under {args.out}")
     return 0 if report["all_passed"] else 1
 
 
