@@ -108,7 +108,7 @@ GPU = Profile(
     resume_steps=60,
     resume_every=20,
     ddp_steps=10,
-    check_images=1024,
+    check_images=1000,  # the whole small CIFAR-10 subset
 )
 CPU = Profile(
     matmul_n=256,
@@ -230,7 +230,8 @@ def section_environment(ctx: Context) -> list[Row]:
         Row("packages", ", ".join(f"{k} {env[k]}" for k in ("jsonargparse", "webdataset", "torchdata", "datasets", "numpy"))),
         Row("vitlab modules import", "all" if not broken else "; ".join(f"{k}: {v}" for k, v in broken.items()),
             not broken, broken=broken),
-        Row("peak bf16 matmul", f"{peak:.1f} TFLOP/s (n={ctx.profile.matmul_n})", peak > 0, tflops=peak),
+        Row("peak bf16 matmul", f"{peak:.1f} TFLOP/s (n={ctx.profile.matmul_n}; every MFU below is against it)",
+            peak > 0, tflops=peak),
     ]
 
 
@@ -282,8 +283,10 @@ def section_speed(ctx: Context) -> list[Row]:
                             f"infer x{bench_model._num(comp['infer_ratio'], '.3f')} (target {comp['target']:.2f})"
                             + ("" if comp["valid"] else ", INVALID: graph breaks"),
                             None, train_ratio=comp["train_ratio"], infer_ratio=comp["infer_ratio"]))  # fmt: skip
+        # fp32 on both; on a GPU the two may pick different kernels (cuDNN convolutions run in TF32 by default).
+        tol = 2e-3 if ctx.cuda else 1e-4
         rows.append(Row(f"{name} parity vitlab/timm", f"max abs logit diff {res['parity_max_abs_logit_diff']:.1e}",
-                        res["parity_max_abs_logit_diff"] < 1e-3, max_abs=res["parity_max_abs_logit_diff"]))  # fmt: skip
+                        res["parity_max_abs_logit_diff"] < tol, max_abs=res["parity_max_abs_logit_diff"]))  # fmt: skip
     ctx.results["speed"] = results
     return rows
 
@@ -655,9 +658,10 @@ def resume_row(ctx: Context) -> Row:
     """A run SIGKILLed right after its first periodic save and resumed from last.ckpt, against the
     same run uninterrupted: same step count, weights and last loss within tolerance."""
     p = ctx.profile
+    # No validation: last.ckpt is then written only every `resume_every` steps, so the kill lands mid-epoch.
     config = recipe_config(ctx, CIFAR_RECIPE, "resume", {"max_steps": p.resume_steps, "max_epochs": 1000,
                                                          "log_every_n_steps": 1, "num_sanity_val_steps": 0,
-                                                         "limit_val_batches": 2})  # fmt: skip
+                                                         "check_val_every_n_epoch": 100000})  # fmt: skip
     cfg = yaml.safe_load(config.read_text())
     cfg["model"]["compile"] = False  # the kill tests checkpoints; compile time buys nothing here
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
