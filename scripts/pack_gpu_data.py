@@ -37,12 +37,15 @@ SHARD_SIZE = 5000
 
 def read_samples(folder: Path, per_class: int) -> list[tuple[str, bytes, int]]:
     """(key, jpeg bytes, label) for the first `per_class` samples of each class, in shard order."""
+    n_classes = sum(1 for line in (folder / "classes.txt").read_text().splitlines() if line.strip())
     taken: dict[int, int] = defaultdict(int)
     out: list[tuple[str, bytes, int]] = []
     shards = sorted(p for p in folder.iterdir() if p.name.endswith((".tar", ".tar.gz", ".tgz")))
     if not shards:
         raise SystemExit(f"no shards in {folder}; point --src at the shared data folder (see its README.md)")
     for shard in shards:
+        if len(out) == n_classes * per_class:
+            break  # every class has its share: the remaining shards are not read
         pending: dict[str, dict[str, bytes]] = defaultdict(dict)
         with tarfile.open(shard) as tar:
             for member in tar:
