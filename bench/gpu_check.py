@@ -1,16 +1,20 @@
-"""The prepared device run: one script that checks vitlab on a GPU machine in about five minutes.
+"""The prepared device run: one script that checks vitlab on a GPU machine in about six minutes.
 
-Sections (each one wrapped: a failure is recorded with its error and the next section runs):
+Sections, in the order they run (each one wrapped: a failure is recorded with its error and the next
+section runs; one that would not fit the --budget left is skipped and recorded so):
 
-  environment   GPU, driver, versions, the bf16 matmul rate measured here (the MFU reference)
-  speed         bench_model.py's rows (fp32, bf16 autocast, compiled; vitlab against timm): img/s, MFU
+  environment   GPU, driver, versions, every vitlab module imported, the bf16 matmul rate measured here
   recipe        the GPU CIFAR-10 recipe through `vitlab fit`, shortened: accuracy, img/s, host syncs/step
-  transfer      Tiny-ImageNet pretrain, then Imagenette fine-tune at twice the resolution (the CLI)
-  correctness   bf16 vs fp32 logits, compiled vs eager, SIGKILL + resume against an uninterrupted run
+  correctness   bf16 vs fp32 logits and compiled vs eager on the recipe's model; SIGKILL + resume
+                against an uninterrupted run
   distributed   DDP through torchrun (NCCL on a GPU, gloo on CPU), one process, a few steps
+  speed         bench_model.py's rows (fp32, bf16 autocast, compiled; vitlab against timm): img/s, MFU
+  transfer      Tiny-ImageNet pretrain, then Imagenette fine-tune at twice the resolution (the CLI)
 
-It prints one table and writes gpu_check.json and gpu_check.md under --out (default $OUT). The exit
-status is 0 only when every check passed. `--device cpu` runs the same checks at tiny sizes.
+It prints one table and writes gpu_check.json, gpu_check.md and gpu_check_logs.tar.gz (the runs' logs
+and configs) under --out (default $OUT). The exit status is 0 only when every check passed.
+`--device cpu` runs the same checks at tiny sizes (the test's mode). The data comes from
+scripts/pack_gpu_data.py (`make gpu-data`).
 
     python bench/gpu_check.py --data .gpudata --out /tmp/gpu-check            # on the GPU machine
     python bench/gpu_check.py --device cpu --data .gpudata --out /tmp/gpu-check
@@ -59,7 +63,8 @@ SYNC_ENV = "VITLAB_GPU_CHECK_SYNC_OUT"
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """Sizes and budgets: the GPU run fits about five minutes on one H200; the CPU run, a test."""
+    """Sizes and budgets (`--set FIELD=VALUE` changes one): the GPU run fits about six minutes on one
+    H200, the CPU run is a test."""
 
     matmul_n: int
     bench_rows: list[tuple[str, bool]]  # (bench_model row, with torch.compile)
@@ -310,11 +315,12 @@ def max_time(seconds: int) -> str:
     return f"00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def recipe_config(ctx: Context, recipe: str, name: str, trainer: dict[str, Any]) -> Path:
-    """The recipe with this check's budget (and, on CPU, its tiny model and device) written beside the run."""
+def recipe_config(ctx: Context, recipe: str, name: str, trainer: dict[str, Any], compile_: bool = True) -> Path:
+    """The recipe with this check's budget (and, on CPU, its tiny model and device) written beside the
+    run; `compile_=False` turns the recipe's torch.compile off (runs where compile time buys nothing)."""
     cfg = yaml.safe_load((ROOT / recipe).read_text())
     p = ctx.profile
-    model: dict[str, Any] = {"compile": p.compile_fit and cfg["model"].get("compile", False)}
+    model: dict[str, Any] = {"compile": compile_ and p.compile_fit and cfg["model"].get("compile", False)}
     if p.model_args:
         model["model_args"] = p.model_args
     over: dict[str, Any] = {"trainer": {"enable_progress_bar": False, **trainer},
@@ -366,7 +372,7 @@ class Fit:
             return list(csv.DictReader(f))
 
     def last(self, key: str) -> float | None:
-        values = [float(r[key]) for r in self.metrics() if r.get(key) not in (None, "")]
+        values = self.series(key)
         return values[-1] if values else None
 
     def series(self, key: str) -> list[float]:
@@ -665,27 +671,17 @@ def resume_row(ctx: Context) -> Row:
     # No validation: last.ckpt is then written only every `resume_every` steps, so the kill lands mid-epoch.
     config = recipe_config(ctx, CIFAR_RECIPE, "resume", {"max_steps": p.resume_steps, "max_epochs": 1000,
                                                          "log_every_n_steps": 1, "num_sanity_val_steps": 0,
-                                                         "check_val_every_n_epoch": 100000})  # fmt: skip
-    cfg = yaml.safe_load(config.read_text())
-    cfg["model"]["compile"] = False  # the kill tests checkpoints; compile time buys nothing here
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                                                         "check_val_every_n_epoch": 100000},
+                           compile_=False)  # fmt: skip
     args = data_args(ctx, "cifar10-small/train", val_fraction=0.1) + [f"--checkpoint_every_n_steps={p.resume_every}"]
     ref = vitlab_fit(ctx, "resume-ref", config, args, timeout=120)
     require(ref, "uninterrupted run")
-    killed_at: list[int] = []
-
-    def first_save(run_dir: Path) -> bool:
-        last = run_dir / "checkpoints" / "last.ckpt"
-        if last.exists():
-            killed_at.append(1)
-            return True
-        return False
-
     run = ctx.work / "resume-run"
-    killed = vitlab_fit(ctx, "resume-killed", config, args, timeout=120, kill_when=first_save, run_dir=run)
-    if not killed_at:
-        raise RuntimeError(f"the run ended (rc {killed.rc}) before its first periodic save: {killed.error()}")
-    step_killed = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    last = run / "checkpoints" / "last.ckpt"  # written atomically: once it exists, it is whole
+    killed = vitlab_fit(ctx, "resume-killed", config, args, timeout=120, kill_when=lambda _: last.exists(), run_dir=run)
+    if killed.rc != -signal.SIGKILL:
+        raise RuntimeError(f"the run was not killed at its first periodic save (rc {killed.rc}): {killed.error()}")
+    step_killed = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     resumed = vitlab_fit(ctx, "resume-resumed", config, args + ["--ckpt_path", "last"], timeout=120, run_dir=run)
     require(resumed, "resumed run")
     a, b = ref.checkpoint(), resumed.checkpoint()
@@ -697,13 +693,19 @@ def resume_row(ctx: Context) -> Row:
     la, lb = ref.last("train/loss"), resumed.last("train/loss")
     loss_d = abs(la - lb) if la is not None and lb is not None else None
     same_steps = a["global_step"] == b["global_step"] == p.resume_steps
+    # A restart from scratch would also end equal: the resumed process must have loaded last.ckpt and
+    # logged no step before the kill.
+    restored = "Restored all states from the checkpoint" in resumed.log.read_text(errors="replace")
+    first_step = min(resumed.series("step"), default=-1)
+    continued = restored and first_step >= step_killed
     # Bit-equal on CPU (deterministic kernels); on a GPU atomics in backward leave rounding noise.
     tol = 1e-6 if not ctx.cuda else 5e-3
-    ok = same_steps and rel <= tol and loss_d is not None and loss_d <= max(10 * tol, 1e-5)
+    ok = continued and same_steps and rel <= tol and loss_d is not None and loss_d <= max(10 * tol, 1e-5)
     return Row("SIGKILL + resume vs uninterrupted",
-               f"killed at step {step_killed}/{p.resume_steps}; weights rel diff {rel:.2e} (max {max_abs:.2e}), "
+               f"killed at step {step_killed}/{p.resume_steps}, resumed from it ({'yes' if continued else 'NO'}, "
+               f"first logged step {first_step:.0f}); weights rel diff {rel:.2e} (max {max_abs:.2e}), "
                f"last loss diff {'-' if loss_d is None else f'{loss_d:.2e}'}, steps {a['global_step']}/{b['global_step']}",
-               ok, killed_at=step_killed, weights_rel=rel, weights_max_abs=max_abs, loss_diff=loss_d)  # fmt: skip
+               ok, killed_at=step_killed, resumed_from_checkpoint=continued, weights_rel=rel, weights_max_abs=max_abs, loss_diff=loss_d)  # fmt: skip
 
 
 # ---- distributed --------------------------------------------------------------------------------
@@ -713,10 +715,8 @@ def section_distributed(ctx: Context) -> list[Row]:
     p = ctx.profile
     config = recipe_config(ctx, CIFAR_RECIPE, "ddp", {"max_steps": p.ddp_steps, "max_epochs": 1000,
                                                       "strategy": "ddp", "devices": 1, "limit_val_batches": 2,
-                                                      "num_sanity_val_steps": 0, "log_every_n_steps": 1})  # fmt: skip
-    cfg = yaml.safe_load(config.read_text())
-    cfg["model"]["compile"] = False  # process-group setup and collectives are the point, not speed
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                                                      "num_sanity_val_steps": 0, "log_every_n_steps": 1},
+                           compile_=False)  # process-group setup and collectives are the point, not speed  # fmt: skip
     fit = vitlab_fit(ctx, "ddp", config, data_args(ctx, "cifar10-small/train", val_fraction=0.1), timeout=150,
                      torchrun=True)  # fmt: skip
     require(fit, "torchrun vitlab fit (DDP)")

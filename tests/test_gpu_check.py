@@ -101,6 +101,7 @@ def test_cpu_run_passes_every_check_and_reports_every_section(packed: Path, tmp_
     assert comp["logits_rel"] < 1e-3 and comp["grad_rel"] < 1e-2
     resume = rows[("correctness", "SIGKILL + resume vs uninterrupted")]
     assert 0 < resume["killed_at"] < report["profile"]["resume_steps"]
+    assert resume["resumed_from_checkpoint"] is True
     assert resume["weights_rel"] == 0.0 and resume["loss_diff"] == 0.0  # CPU kernels: bit-equal
     ddp = rows[("distributed", "DDP via torchrun, 1 process")]
     assert ddp["backend"] == "gloo" and ddp["steps"] == report["profile"]["ddp_steps"]
