@@ -6,6 +6,10 @@
 #   GPUS=    devices per node (DDP when > 1)    NODES=  number of nodes
 #   LOGGER=  wandb to log to Weights & Biases too (offline without an API key)
 #   ARGS=    extra CLI flags, e.g. ARGS=--ckpt_path=last to resume the same run
+#
+# The device check (bench/gpu_check.py): `make gpu-data gpu-wheels` here, then on the GPU machine
+# `make gpu-check OUT=dir` (its own python3, the wheels from .whl/, vitlab from this tree);
+# `make gpu-check DEVICE=cpu OUT=dir` runs the same checks at tiny sizes on the CPU.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTHON ?= python3
@@ -25,14 +29,15 @@ COMMON = $(if $(DATA),--data_path $(DATA)) \
          $(if $(NODES),--trainer.num_nodes=$(NODES)) \
          $(if $(LOGGER),--loggers='[tensorboard$(comma)csv$(comma)$(LOGGER)]')
 
-.PHONY: install test pretrain finetune dashboard bench bench-accuracy bench-transfer clean
+.PHONY: install test pretrain finetune dashboard bench bench-accuracy bench-transfer gpu-check gpu-data gpu-wheels clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# pyproject.toml declares the version ranges vitlab works with; constraints.txt pins what CI tests.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -e '.[dev]'
+	$(VENV)/bin/pip install -c constraints.txt -e '.[dev]'
 	touch $@
 
 test: install
@@ -58,6 +63,26 @@ bench-accuracy: install
 bench-transfer: install
 	$(PY) bench/bench_transfer.py --pretrain-data $(SHARED_DATA)/tinyimagenet-200-shards \
 		--finetune-data $(SHARED_DATA)/imagenette-128-shards $(BENCH_ARGS)
+
+# ---- the prepared device run -------------------------------------------------------------------
+# Missing on the GPU machine's python3 (pure Python), fetched as wheels for Python 3.12 at the versions
+# constraints.txt pins; the machine already has torch, Lightning, numpy, pyarrow, fsspec, xxhash...
+GPU_WHEELS   ?= jsonargparse docstring-parser typeshed-client webdataset braceexpand torchdata datasets dill multiprocess
+GPU_PLATFORM := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+GPU_PY       ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORM) -c constraints.txt -d .whl $(GPU_WHEELS)
+	@du -sh .whl
+
+gpu-data:  # small subsets of the shared shards (the device receives 64 MiB at most)
+	$(PYTHON) scripts/pack_gpu_data.py --src $(SHARED_DATA) --out .gpudata $(GPU_DATA_ARGS)
+
+gpu-check:  # DEVICE=cpu: tiny sizes; OUT=: report folder (default $$OUT, else runs/gpu-check)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py --device $(or $(DEVICE),auto) \
+		--data .gpudata --out $(or $(OUT),runs/gpu-check) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs lightning_logs

@@ -23,7 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.optim import build_optimizer
+from vitlab.train.optim import build_optimizer, clip_gradients, fused_allowed
 from vitlab.train.schedule import lightning_schedule
 
 _COMPILE_PREFIX = "_orig_mod."
@@ -315,9 +315,16 @@ class ViTClassifier(L.LightningModule):
         hp = self.hparams
         optimizer = build_optimizer(
             self.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            momentum=hp.momentum, layer_decay=hp.layer_decay,
+            momentum=hp.momentum, layer_decay=hp.layer_decay, fused=fused_allowed(self._trainer),
         )  # fmt: skip
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        # vitlab's clipping keeps fused AdamW/SGD under bf16 (Lightning's refuses them); see clip_gradients.
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
