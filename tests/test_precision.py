@@ -84,7 +84,9 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(cifar_subset: Path, tmp_path: Path, precision: str) -> None:
+def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(
+    cifar_subset: Path, tmp_path: Path, precision: str
+) -> None:
     """Each objective through the real CLI with gradient clipping: supervised pretraining, fine-tuning from
     it with a new head at a new resolution, masked patch prediction, and DeiT distillation."""
     pre_data = subset_tree(cifar_subset, tmp_path / "pre_data", ["airplane", "frog", "truck"], 8, 4)

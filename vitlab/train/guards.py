@@ -5,6 +5,7 @@ fails at the start, not at the first save hours in."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -50,8 +51,9 @@ class NonFiniteGuard(Callback):
     step. Other optimizers (foreach, FSDP's DTensors), runs with a GradScaler (which skips steps with
     overflowing gradients itself, so only the loss is checked) and the first step of fused SGD with
     momentum (a skipped first step would leave its momentum buffers uninitialised) are checked on the
-    host at every step, as is any step whose gradients were already looked at. Under DDP the bad-step
-    flag is all-reduced on the device (max), so every rank skips or stops at the same step.
+    host at every step: a bad step's gradients are dropped (torch optimizers leave parameters without
+    `.grad` alone) or the run stops there. Under DDP the bad-step flag is all-reduced on the device
+    (max), so every rank skips or stops at the same step.
     """
 
     def __init__(
@@ -118,7 +120,7 @@ class NonFiniteGuard(Callback):
         on_device = scaler is None and not _first_sgd_momentum_step(optimizer) and set_found_inf(optimizer, found)
         if not on_device:  # read now, and drop the gradients of a bad step
             if self._look(trainer, optimizer, current=True):
-                optimizer.zero_grad(set_to_none=True)  # torch optimizers leave parameters without .grad alone
+                optimizer.zero_grad(set_to_none=True)
         elif (step + 1) % (self.check_every_n_steps or trainer.log_every_n_steps or 1) == 0:
             self._look(trainer, optimizer)
 
@@ -156,12 +158,13 @@ class NonFiniteGuard(Callback):
         self.skipped = skipped
         if stop_off >= 0:
             stop = self._base_step + int(stop_off)
-            if stop_grad > 0:
-                # the gradients of the stop step are still there when it is the step now being taken
-                detail = _nonfinite_grad(optimizer) if current and optimizer is not None and stop == trainer.global_step else None
-                what = f"gradient of {detail or 'a parameter'} is not finite (loss was finite)"
-            else:
+            if not math.isfinite(stop_loss) or stop_grad == 0:
                 what = f"loss is {stop_loss}"
+            else:
+                # the gradients of the stop step are still there when it is the step now being taken
+                here = current and optimizer is not None and stop == trainer.global_step
+                detail = _nonfinite_grad(optimizer) if here else None
+                what = f"gradient of {detail or 'a parameter'} is not finite (loss was finite)"
             raise NonFiniteLossError(self._message(trainer, stop, what))
         self._state[4] = -1.0
         self._base_step = trainer.global_step
