@@ -144,11 +144,11 @@ class PerfMonitor(ThroughputMonitor):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._set_flops(pl_module, batch, "train")
-        if trainer.fit_loop._should_accumulate() or trainer._logger_connector.should_update_logs:
+        # Lightning's monitor waits for the device (`cuda.synchronize`) at each time point it takes, so take
+        # them at logging steps only (the last batch of the step); other batches are counted without one.
+        if not trainer.fit_loop._should_accumulate() and trainer._logger_connector.should_update_logs:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         elif trainer.is_global_zero:
-            # Not a logging step: count the batch without a time point. Lightning's monitor waits for the
-            # device (`cuda.synchronize`) at each time point, so take them at logging steps only.
             stage = trainer.state.stage
             self._samples[stage] += batch_images(batch)
             self._batches[stage] += 1
