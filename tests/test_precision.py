@@ -216,5 +216,6 @@ def test_bf16_falls_back_to_32_true_on_a_cpu_without_it(monkeypatch: pytest.Monk
         assert run_defaults.cpu_precision("bf16-mixed") == "32-true"
         assert run_defaults.cpu_precision("32-true") == "32-true" and run_defaults.cpu_precision(None) is None
     assert len(caplog.records) == 1 and "no avx512_bf16 or AMX" in caplog.records[0].getMessage()
+    assert run_defaults.cpu_precision("bf16-mixed", accelerator="cuda") == "bf16-mixed"  # not a CPU run
     monkeypatch.setattr(run_defaults, "cpu_has_fast_bf16", lambda: True)
     assert run_defaults.cpu_precision("bf16-true") == "bf16-true"

@@ -162,10 +162,14 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def cpu_precision(precision: str | int | None) -> str | int | None:
-    """The precision a CPU run trains in: a bf16 setting falls back to 32-true, with one log line, on a
-    CPU without native bf16 (`cpu_has_fast_bf16`); anything else is returned as given."""
-    if not str(precision).startswith("bf16") or cpu_has_fast_bf16():
+def cpu_precision(precision: str | int | None, accelerator: Any = "cpu") -> str | int | None:
+    """The precision a run trains in: on the CPU (`accelerator` "cpu", or "auto"/None without a GPU), a
+    bf16 setting falls back to 32-true, with one log line, when the CPU lacks native bf16
+    (`cpu_has_fast_bf16`); anything else is returned as given."""
+    on_cpu = accelerator == "cpu" or (
+        accelerator in (None, "auto") and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    )
+    if not on_cpu or not str(precision).startswith("bf16") or cpu_has_fast_bf16():
         return precision
     log.warning("precision %s: this CPU has no avx512_bf16 or AMX, so bf16 would run slower than float32; "
                 "training in 32-true instead", precision)  # fmt: skip
