@@ -39,7 +39,8 @@ RECIPES = {  # recipe, number of classes of its data
 
 def build(recipe: str, num_classes: int, batch: int | None, compile_: bool) -> tuple[Any, ...]:
     cfg = yaml.safe_load((REPO / recipe).read_text())
-    model_args = {k: v for k, v in cfg["model"].items() if k in ("arch", "model_args", "optimizer", "lr", "weight_decay")}
+    keep = ("arch", "model_args", "optimizer", "lr", "weight_decay")
+    model_args = {k: v for k, v in cfg["model"].items() if k in keep}
     data = cfg["data"]["init_args"]
     module = ViTClassifier(**model_args, num_classes=num_classes, img_size=data["img_size"])
     if compile_:
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             ips = res["img_per_s"]
             print(f"{name:28s} {'compiled' if compile_ else 'eager':8s} batch {res['batch']:4d}  "
                   f"32-true {ips['32-true']:8.1f} img/s  bf16-mixed {ips['bf16-mixed']:8.1f} img/s  "
-                  f"bf16/fp32 {res['bf16_over_fp32']:.2f}x  (spread {res['spread']}, warm-up {res['warmup_s']} s)")  # fmt: skip
+                  f"bf16/fp32 {res['bf16_over_fp32']:.2f}x  (spread {res['spread']}, "
+                  f"warm-up {res['warmup_s']} s)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2))
     return 0

@@ -2,11 +2,13 @@
 and empties the queue of work the host had launched ahead of it.
 
 On CUDA, torch reports them itself (`torch.cuda.set_sync_debug_mode("warn")`: `.item()`, `bool()`, a
-copy to the host, `nonzero`, ...); `count_syncs` counts those warnings and `torch.cuda.synchronize()`. On the CPU nothing waits, but
-the same Python calls would on a GPU: there `count_syncs` counts the calls that read a tensor's value
-on the host (`item`, `tolist`, `numpy`, `bool()`, `float()`, `int()`, `index()`), except those of the
-data pipeline (under `torch.utils.data`: host tensors, read in loader workers in a real run). The CPU
-count misses syncs inside torch's operators (`nonzero`, boolean-mask indexing); the CUDA count has them.
+copy to the host, `nonzero`, ...); `count_syncs` counts those warnings, and `torch.cuda.synchronize()`
+calls. On the CPU nothing waits, but the same Python calls would on a GPU: there `count_syncs` counts
+the calls that read a tensor's value on the host (`item`, `tolist`, `numpy`, `bool()`, `float()`,
+`int()`, `index()`), except those of the data pipeline (under `torch.utils.data`: host tensors, read in
+loader workers in a real run). The CPU count misses syncs inside torch's operators (`nonzero`,
+boolean-mask indexing) and reads of host tensors a GPU run would also keep on the host; the CUDA count
+has exactly the device's.
 
     with count_syncs("cuda") as syncs:
         ...
