@@ -6,6 +6,7 @@ gradient norm the optimizer applies under bf16-mixed, bf16-true, 32-true and fp1
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from cli_probe import csv_rows
 from helpers import subset_tree
 from vitlab.cli import main
-from vitlab.train import ViTClassifier
+from vitlab.train import ViTClassifier, run_defaults
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,9 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(cifar_subset: Path, tmp_path: Path, precision: str) -> None:
+def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(
+    cifar_subset: Path, tmp_path: Path, precision: str
+) -> None:
     """Each objective through the real CLI with gradient clipping: supervised pretraining, fine-tuning from
     it with a new head at a new resolution, masked patch prediction, and DeiT distillation."""
     pre_data = subset_tree(cifar_subset, tmp_path / "pre_data", ["airplane", "frog", "truck"], 8, 4)
@@ -194,3 +197,25 @@ def test_clipping_bounds_the_norm_the_optimizer_sees(tmp_path: Path, precision: 
     after = module.state_dict()
     assert all(torch.isfinite(v).all() for v in after.values())
     assert not torch.equal(after["model.blocks.0.attn.qkv.weight"].float(), before["model.blocks.0.attn.qkv.weight"])
+
+
+# ---- CPUs without native bf16 --------------------------------------------------------------------------
+
+
+def test_bf16_capability_follows_the_cpu_flags() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from (not Linux)")
+    flags = set(cpuinfo.read_text().split())
+    assert run_defaults.cpu_has_fast_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def test_bf16_falls_back_to_32_true_on_a_cpu_without_it(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setattr(run_defaults, "cpu_has_fast_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert run_defaults.cpu_precision("bf16-mixed") == "32-true"
+        assert run_defaults.cpu_precision("32-true") == "32-true" and run_defaults.cpu_precision(None) is None
+    assert len(caplog.records) == 1 and "no avx512_bf16 or AMX" in caplog.records[0].getMessage()
+    assert run_defaults.cpu_precision("bf16-mixed", accelerator="cuda") == "bf16-mixed"  # not a CPU run
+    monkeypatch.setattr(run_defaults, "cpu_has_fast_bf16", lambda: True)
+    assert run_defaults.cpu_precision("bf16-true") == "bf16-true"
