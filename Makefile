@@ -46,9 +46,15 @@ test: install
 pretrain: install
 	$(VITLAB) fit --config $(or $(RECIPE),$(PRETRAIN_RECIPE)) --run_dir $(or $(RUN),$(PRETRAIN_RUN)) $(COMMON) $(ARGS)
 
+# What finetune starts from: CKPT=, else the recipe's own init_from (a hub ViT), else the pretrain run.
+FT_RECIPE = $(or $(RECIPE),$(FINETUNE_RECIPE))
+FT_SOURCE = $(or $(CKPT),$(if $(shell grep -qE '^ +init_from: *[^ #]' $(FT_RECIPE) 2>/dev/null && echo own),,$(PRETRAIN_RUN)/checkpoints/last.ckpt))
+
+# Ends with `vitlab resolution`: top-1 against test size for the source and the fine-tuned model.
 finetune: install
-	$(VITLAB) fit --config $(or $(RECIPE),$(FINETUNE_RECIPE)) --run_dir $(or $(RUN),$(FINETUNE_RUN)) \
-		--model.init_from $(or $(CKPT),$(PRETRAIN_RUN)/checkpoints/last.ckpt) $(COMMON) $(ARGS)
+	$(VITLAB) fit --config $(FT_RECIPE) --run_dir $(or $(RUN),$(FINETUNE_RUN)) \
+		$(if $(FT_SOURCE),--model.init_from $(FT_SOURCE)) $(COMMON) $(ARGS)
+	$(VITLAB) resolution --run $(or $(RUN),$(FINETUNE_RUN))
 
 dashboard: install  # PORT= (default 6006), LOGDIR= (default runs/)
 	$(VENV)/bin/tensorboard --logdir $(or $(LOGDIR),runs) --port $(or $(PORT),6006) --bind_all
