@@ -105,7 +105,9 @@ def flops_per_image(model: torch.nn.Module) -> dict[str, int]:
 class PerfMonitor(ThroughputMonitor):
     """Throughput on Lightning's `ThroughputMonitor`, plus samples seen, epoch time and peak memory.
 
-    Throughput (rank 0, over a rolling window of `window` batches; names as Lightning writes them):
+    Throughput (rank 0, over a rolling window of `window` time points, taken at logging steps only, since
+    each one waits for the device; the default 2 measures the last `log_every_n_steps` steps; names as
+    Lightning writes them):
     `train/device/samples_per_sec` (images/s per device; `train/samples_per_sec` for all devices
     when there are several), `train/device/flops_per_sec` and, on GPUs whose peak Lightning knows,
     `train/device/mfu`; the same under `validate/`. The FLOPs per image are counted once at setup
@@ -116,7 +118,7 @@ class PerfMonitor(ThroughputMonitor):
     `max_memory_allocated` on GPU, else the process RSS sampled every step).
     """
 
-    def __init__(self, window: int = 20) -> None:
+    def __init__(self, window: int = 2) -> None:
         super().__init__(batch_size_fn=batch_images, window_size=window)
         self.flops: dict[str, int] = {}
         self.samples_seen = 0
@@ -142,7 +144,14 @@ class PerfMonitor(ThroughputMonitor):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._set_flops(pl_module, batch, "train")
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Lightning's monitor waits for the device (`cuda.synchronize`) at each time point it takes, so take
+        # them at logging steps only (the last batch of the step); other batches are counted without one.
+        if not trainer.fit_loop._should_accumulate() and trainer._logger_connector.should_update_logs:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        elif trainer.is_global_zero:
+            stage = trainer.state.stage
+            self._samples[stage] += batch_images(batch)
+            self._batches[stage] += 1
         self.samples_seen += batch_images(batch) * trainer.world_size
         # float64 keeps the count exact past float32's 2**24
         pl_module.log(

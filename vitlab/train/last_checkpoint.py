@@ -48,9 +48,12 @@ class LastCheckpoint(ModelCheckpoint):
     continues exactly. Under DDP every rank must stop at the same batch, or the ones still training
     wait forever in the next all-reduce: this callback replaces Lightning's SIGTERM notifier (which
     broadcasts from inside the signal handler, wherever each rank happens to be) with one that only
-    records the signal, and the ranks agree at each batch end (one all-reduce of a flag per step);
+    records the signal, and the ranks agree at a batch end (one all-reduce of a flag; see below);
     the save then runs in `on_exception`, which every rank reaches together. Under SLURM with
     auto-requeue Lightning's own USR1 handler still runs first (hpc checkpoint + `scontrol requeue`).
+    The ranks agree every `signal_check_every_n_steps` optimizer steps (default: the trainer's
+    `log_every_n_steps`, where logging already waits for the device), not every step: the all-reduce
+    reads its result on the host, which would make the host wait for the device at each step.
 
     A signal must end the job even when a rank is blocked in a collective (where no Python signal
     handler can run) or the save itself waits on a rank that never comes: `SignalWatchdog` then ends
@@ -63,7 +66,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(
         self, dirpath: _PATH | None = None, every_n_train_steps: int | None = None, save_on_signal: bool = True,
-        signal_timeout_s: float | None = 180.0,
+        signal_timeout_s: float | None = 180.0, signal_check_every_n_steps: int | None = None,
     ) -> None:  # fmt: skip
         if every_n_train_steps is not None and every_n_train_steps < 0:
             raise ValueError(f"every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
@@ -71,6 +74,9 @@ class LastCheckpoint(ModelCheckpoint):
             dirpath=dirpath, monitor=None, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps or 0,
             enable_version_counter=False,
         )  # fmt: skip
+        if signal_check_every_n_steps is not None and signal_check_every_n_steps < 1:
+            raise ValueError(f"signal_check_every_n_steps must be >= 1 or None, got {signal_check_every_n_steps}")
+        self.signal_check_every_n_steps = signal_check_every_n_steps
         if signal_timeout_s is not None and signal_timeout_s <= 0:
             raise ValueError(f"signal_timeout_s must be > 0 or None (wait forever), got {signal_timeout_s}")
         self.save_on_signal = save_on_signal
@@ -79,7 +85,7 @@ class LastCheckpoint(ModelCheckpoint):
         self._usr1_installed = False
         self._watchdog: SignalWatchdog | None = None
         self._signalled = False  # this rank received SIGTERM/SIGUSR1
-        self._agree_on_stop = False  # Lightning's notifier replaced: ranks agree at each batch end
+        self._agree_on_stop = False  # Lightning's notifier replaced: ranks agree at batch ends
 
     # The state key must not depend on the step interval, or changing it between a run and its
     # resume would drop this callback's state (and its last_model_path).
@@ -128,7 +134,8 @@ class LastCheckpoint(ModelCheckpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._agree_on_stop and trainer.world_size > 1:
+        every = self.signal_check_every_n_steps or trainer.log_every_n_steps or 1
+        if self._agree_on_stop and trainer.world_size > 1 and trainer.global_step % every == 0:
             # Every rank runs this hook at the same batch: stop together if any rank was signalled.
             if trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
                 mark_sigterm(trainer)  # Lightning raises SIGTERMException after this batch, on every rank

@@ -23,7 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.optim import build_optimizer
+from vitlab.train.optim import build_optimizer, clip_gradients, fused_allowed
 from vitlab.train.schedule import lightning_schedule
 
 _COMPILE_PREFIX = "_orig_mod."
@@ -78,19 +78,48 @@ def _dropped_tensors(path: str, kept: list[str]) -> list[str] | None:
     return sorted(k.removeprefix("model.") for k in names if k not in taken)
 
 
+class FiniteMean(Metric):
+    """Weighted mean of the finite values it is given, kept on the device: torchmetrics' `MeanMetric`
+    reads each update's NaN check on the host (a sync per training step), and with that check disabled
+    it ignores the weights. A non-finite loss (a step the non-finite guard skips) is left out."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: float = 1.0) -> None:
+        finite = torch.isfinite(value)
+        self.total += torch.where(finite, value, 0.0).sum().to(self.total.dtype) * weight
+        self.weight += finite.sum().to(self.weight.dtype) * weight
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.weight
+
+
 def log_training_step(
     module: L.LightningModule, loss: torch.Tensor, acc: torch.Tensor, loss_mean: Metric, acc_mean: Metric, n: int
 ) -> None:
     """The training logs every vitlab module writes: loss and acc1 per step under their plain names
     (on_step + on_epoch would rename them `_step`/`_epoch`), their epoch means from the metric
-    objects (which torchmetrics reduces across ranks), and the learning rate."""
-    module.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=n)
+    objects (which torchmetrics reduces across ranks), and the learning rate.
+
+    None of it makes the host wait for the device at a step that is not written to the loggers, except
+    the progress bar's running loss: Lightning turns every progress-bar value into a Python number at
+    each step, so the loss goes to the bar only when there is one (`enable_progress_bar=false`: none).
+    """
+    trainer = module._trainer
+    bar = trainer is not None and trainer.progress_bar_callback is not None
+    module.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=bar, batch_size=n)
     module.log("train/acc1", acc, on_step=True, on_epoch=False, batch_size=n)
     module.log("train/loss_epoch", loss_mean, on_step=False, on_epoch=True, batch_size=n)
     module.log("train/acc1_epoch", acc_mean, on_step=False, on_epoch=True, batch_size=n)
-    if module._trainer is not None and module.trainer.optimizers:
-        lr = max(g["lr"] for g in module.trainer.optimizers[0].param_groups)
-        module.log("lr", lr, on_step=True, on_epoch=False, batch_size=n)
+    if trainer is not None and trainer.optimizers:
+        lr = max(g["lr"] for g in trainer.optimizers[0].param_groups)
+        # A host tensor: Lightning would copy a Python float to the device, and wait for it, every step.
+        module.log("lr", torch.tensor(lr, dtype=torch.float64), on_step=True, on_epoch=False, batch_size=n)
 
 
 class ViTClassifier(L.LightningModule):
@@ -149,8 +178,9 @@ class ViTClassifier(L.LightningModule):
         if class_names is not None and len(class_names) != nc:
             raise ValueError(f"{len(class_names)} class_names for {nc} classes")
         # average="micro": plain fraction of correct samples (the torchmetrics default is macro).
-        self.train_loss = MeanMetric()
-        self.train_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
+        # The training step's metrics run every step: no host reads (input validation, NaN checks).
+        self.train_loss = FiniteMean()
+        self.train_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro", validate_args=False)
         self.val_loss = MeanMetric()
         self.val_acc1 = MulticlassAccuracy(nc, top_k=1, average="micro")
         self.test_loss = MeanMetric()
@@ -300,9 +330,16 @@ class ViTClassifier(L.LightningModule):
         hp = self.hparams
         optimizer = build_optimizer(
             self.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            momentum=hp.momentum, layer_decay=hp.layer_decay,
+            momentum=hp.momentum, layer_decay=hp.layer_decay, fused=fused_allowed(self._trainer),
         )  # fmt: skip
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        # vitlab's clipping keeps fused AdamW/SGD under bf16 (Lightning's refuses them); see clip_gradients.
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from vitlab.analysis.plots import new_figure
 from vitlab.models import VisionTransformer, create_model
 from vitlab.train.figures import ValidationFigures, denormalize
 from vitlab.train.module import log_training_step
-from vitlab.train.optim import param_groups
+from vitlab.train.optim import clip_gradients, fused_allowed, kernel_kwargs, param_groups
 from vitlab.train.schedule import lightning_schedule
 
 Target = Literal["color", "pixels"]
@@ -352,8 +352,15 @@ class MaskedPatchPretraining(L.LightningModule):
             group["params"] = [(f"mpp_head.{name}", p) for name, p in group["params"]]
             groups.append(group)
         groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr, "lr_scale": 1.0})
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        impl = kernel_kwargs((p for g in groups for _, p in g["params"]), fused_allowed(self._trainer))
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay, **impl)
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)  # keeps fused AdamW under bf16
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

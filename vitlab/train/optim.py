@@ -1,12 +1,18 @@
-"""Optimizer parameter groups (weight-decay split, layer-wise LR decay) and the optimizer itself."""
+"""Optimizer parameter groups (weight-decay split, layer-wise LR decay), the optimizer itself, and the
+per-step gradient work around it: the total gradient norm (computed once per step, shared by clipping
+and the non-finite guard) and gradient clipping that keeps fused kernels under bf16."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import lightning as L
 import torch
 import torch.nn as nn
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 try:  # private helper; the fallback covers a torch that moves it
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -74,14 +80,29 @@ def param_groups(
     return [groups[k] for k in sorted(groups)]
 
 
-def _impl_kwargs(params: Iterable[torch.Tensor]) -> dict[str, bool]:
-    """Fused kernels when every parameter is a plain dense float tensor on a device that has them."""
+def kernel_kwargs(params: Iterable[torch.Tensor], fused: bool = True) -> dict[str, bool]:
+    """Fused kernels when every parameter is a plain dense float tensor on a device that has them (and
+    `fused`), else the foreach (multi-tensor) kernels, which torch does not pick by itself on the CPU."""
     params = list(params)
-    supported = set(_get_fused_kernels_supported_devices())
     plain = all(type(p) in (nn.Parameter, torch.Tensor) and p.is_floating_point() and not p.is_sparse for p in params)
-    if params and plain and all(p.device.type in supported for p in params):
+    if not params or not plain:
+        return {}  # torch picks what it can (e.g. DTensors under FSDP2)
+    if fused and all(p.device.type in set(_get_fused_kernels_supported_devices()) for p in params):
         return {"fused": True}
-    return {}  # torch picks foreach where it can (e.g. DTensors under FSDP2)
+    return {"foreach": True}
+
+
+def fused_allowed(trainer: L.Trainer | None) -> bool:
+    """Whether this run may use a fused optimizer: not with a GradScaler (16-mixed) and gradient clipping.
+
+    A fused optimizer unscales the gradients inside its step, so the gradients clipping sees would still
+    be scaled; the foreach optimizer lets Lightning's `scaler.unscale_` run before clipping instead.
+    bf16 and float32 runs scale nothing, so they keep the fused kernels (`clip_gradients` clips there).
+    """
+    if trainer is None:
+        return True
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler is None or not trainer.gradient_clip_val
 
 
 def build_optimizer(
@@ -92,14 +113,97 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     momentum: float = 0.9,
     layer_decay: float | None = None,
+    fused: bool = True,
 ) -> torch.optim.Optimizer:
-    """AdamW (the paper's pretraining optimizer) or SGD with momentum (its fine-tuning one)."""
+    """AdamW (the paper's pretraining optimizer) or SGD with momentum (its fine-tuning one), with fused
+    kernels where the parameters allow them and `fused` (see `fused_allowed`), else foreach ones."""
     groups = param_groups(model, weight_decay, layer_decay=layer_decay, lr=lr)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    impl = _impl_kwargs(p for g in groups for _, p in g["params"])
+    impl = kernel_kwargs((p for g in groups for _, p in g["params"]), fused)
     if optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **impl)
     if optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **impl)
     raise ValueError(f"unknown optimizer {optimizer!r}; choose 'adamw' or 'sgd'")
+
+
+# ---- per-step gradient work ----------------------------------------------------------------------------
+
+_STEP_VALUES = "_vitlab_step_values"  # per-step values kept on the optimizer, dropped after its step
+
+
+def step_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A dict on `optimizer` for values that belong to its coming step; emptied when the step is done
+    (an optimizer step post-hook, registered on first use), so nothing leaks into the next step."""
+    values = optimizer.__dict__.get(_STEP_VALUES)
+    if values is None:
+        values = optimizer.__dict__[_STEP_VALUES] = {}
+        optimizer.register_step_post_hook(_end_step)
+    return values
+
+
+def _end_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    values = optimizer.__dict__[_STEP_VALUES]
+    # Only the skip flag this module set: a GradScaler sets and deletes its own.
+    if "found_inf" in values and optimizer.__dict__.get("found_inf") is values["found_inf"]:
+        del optimizer.found_inf
+    values.clear()
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """Total 2-norm (float32, on the device, no host sync) of the gradients `optimizer` is about to
+    apply; None without gradients. Computed once per step: the non-finite guard and clipping share it,
+    so read it after any change to the gradients other than clipping (hooks that rescale them run first)."""
+    values = step_values(optimizer)
+    if "grad_norm" not in values:
+        grads = _grads(optimizer)
+        values["grad_norm"] = torch.nn.utils.get_total_norm(grads, 2.0).float() if grads else None
+    return values["grad_norm"]
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> bool:
+    """Make the optimizer's coming step a no-op on the device when `found_inf` (a 0-dim float32 tensor,
+    0.0 or 1.0) is 1: no update, no weight decay, no moment or step-count change. This is the input a
+    GradScaler gives fused optimizers (`_step_supports_amp_scaling`), so the decision needs no host
+    sync. False (nothing set) for optimizers without it, or when something else already set one."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or hasattr(optimizer, "found_inf"):
+        return False
+    step_values(optimizer)["found_inf"] = found_inf
+    optimizer.found_inf = found_inf
+    return True
+
+
+def clip_gradients(
+    module: L.LightningModule,
+    optimizer: torch.optim.Optimizer,
+    clip_val: float | None,
+    algorithm: str | GradClipAlgorithmType | None,
+) -> None:
+    """Gradient clipping for `LightningModule.configure_gradient_clipping`.
+
+    Lightning's `MixedPrecision` refuses to clip for any optimizer that unscales in its step (fused
+    AdamW/SGD), even under bf16, where no GradScaler exists and the gradients are the true ones. Where
+    the gradients in `.grad` are the true ones (no scaler, or the scaler already unscaled them) under
+    Lightning's plain, mixed or half precision, clip here (foreach kernels, with the shared
+    `grad_norm`, no host sync); everything else (FSDP, DeepSpeed, custom plugins) keeps Lightning's path.
+    """
+    if not clip_val or clip_val <= 0:
+        return
+    algorithm = GradClipAlgorithmType(algorithm or GradClipAlgorithmType.NORM)
+    plugin = module.trainer.precision_plugin
+    unscaled = getattr(plugin, "scaler", None) is None or not _optimizer_handles_unscaling(optimizer)
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or not unscaled:
+        module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm.value)
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if algorithm == GradClipAlgorithmType.VALUE:
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+        return
+    norm = grad_norm(optimizer)
+    if norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
