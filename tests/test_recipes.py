@@ -175,7 +175,7 @@ class RecipeRunner:
                 error = traceback.format_exc()
         else:  # Lightning's DDP launcher starts rank 1 by re-running the command: a real `vitlab` process
             work = self.root / f"{run_dir.name}-cwd"
-            work.mkdir()
+            work.mkdir(parents=True)
             rc, log, _, stragglers = run_cli(args, cwd=work, timeout=600)
             error = None if rc == 0 and not stragglers else f"exit code {rc}, stragglers {stragglers}:\n{log}"
         self.runs[name] = Run(run_dir, world_size, error)
