@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def test_every_recipe_has_its_overrides_listed_and_explained() -> None:
     assert {_key(a) for a in STEPS} <= set(WHY)
 
 
-# ---- data, built once per session ----------------------------------------------------------------
+# ---- running a recipe, on data built once per module ---------------------------------------------
 
 
 @dataclass
@@ -171,7 +172,7 @@ class RecipeRunner:
             error = None
             try:
                 main(args)
-            except BaseException:  # noqa: BLE001 - reported by the test that asks for this run
+            except (Exception, SystemExit):  # reported by the test that asks for this run
                 error = traceback.format_exc()
         else:  # Lightning's DDP launcher starts rank 1 by re-running the command: a real `vitlab` process
             work = self.root / f"{run_dir.name}-cwd"
@@ -185,7 +186,9 @@ class RecipeRunner:
 @pytest.fixture(scope="module")
 def runner(
     cifar_subset: Path, tinyimagenet_shards: Path, imagenette_shards: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Any:
+) -> Iterator[RecipeRunner]:
+    """Small data of each recipe's kind and size: CIFAR archives in torchvision's layout (from the shared
+    subset), small Tiny-ImageNet and Imagenette shards, ImageNet-style folders, a distillation teacher."""
     root = tmp_path_factory.mktemp("recipes")
     data = {
         "cifar10": fake_cifar(cifar_subset, root / "cifar10", "cifar10", per_class=3),
