@@ -378,9 +378,9 @@ def make_fit_args(target: str, *variables: str) -> list[str]:
         ["make", "-n", "--no-print-directory", target, *variables],
         cwd=REPO, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    words = shlex.split(out.stdout.replace("\\\n", " "))
-    start = next(i for i, w in enumerate(words) if w.endswith("vitlab") and words[i + 1 : i + 2] == ["fit"])
-    return words[start + 2 :]
+    lines = [shlex.split(line) for line in out.stdout.replace("\\\n", " ").splitlines()]
+    words = next(w for w in lines if len(w) > 1 and w[0].endswith("vitlab") and w[1] == "fit")
+    return words[2:]
 
 
 @pytest.mark.parametrize(

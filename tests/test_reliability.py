@@ -427,23 +427,24 @@ def test_full_disk_fails_early(
 # ---- 5. secrets ----------------------------------------------------------------------------------------
 
 
-# Realistic credentials, by variable name (the first four) and by shape alone (the last two).
+# Realistic credentials, by variable name (the first four) and by a provider's token prefix alone (the last).
 CREDENTIALS = {
     "DB_PASS": "Tr0ub4dor-horse-staple",
     "HF_TOKEN": "hf_xQ4rTz9LmP2vKc7NwB3yHd8FsJ6gA1eUo",
     "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     "MY_SERVICE_KEY": "svc.4f1e-prod-71c2",
     "DEPLOY_SETTING": "ghp_9a8B7c6D5e4F3g2H1i0JkLmNoPqRsTuV",
-    "UPSTREAM": "kP9xQ2mZ7vR4tL8wN3yB6cJ1",
 }
 NOT_CREDENTIALS = {
     "TOKENIZERS_PARALLELISM": "false_but_long", "SHORT_TOKEN": "1", "PWD": "/work/some/where/long",
     "LANG": "en_US.UTF-8", "EXPERIMENT": "ImageNet21kTrainSplit2024", "ARCH": "vit_base_patch16_224_in21k",
     "LD_LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu:/opt/lib",
+    # Random-looking values that are not credentials: a run id and a commit (GITHUB_SHA).
+    "UPSTREAM": "kP9xQ2mZ7vR4tL8wN3yB6cJ1", "GITHUB_SHA": "3f9c2a7e81d04b6c95fe1a2b3c4d5e6f708192a3",
 }
 
 
-def test_secret_values_by_name_and_by_shape() -> None:
+def test_secret_values_by_name_and_provider_prefix() -> None:
     found = secret_values({**CREDENTIALS, **NOT_CREDENTIALS})
     assert sorted(found) == sorted(CREDENTIALS.values())
     assert [len(v) for v in found] == sorted((len(v) for v in found), reverse=True)  # longest first

@@ -131,7 +131,7 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        from vitlab.train.run_defaults import run_callbacks, run_loggers, run_plugins
+        from vitlab.train.run_defaults import cpu_precision, run_callbacks, run_loggers, run_plugins
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
@@ -146,6 +146,10 @@ class VitlabCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         kwargs["plugins"] = [*plugins, *run_plugins(plugins)]
         kwargs["default_root_dir"] = str(run_dir)
+        # A bf16 recipe on a CPU without native bf16 trains in 32-true (one log line); config.yaml keeps the recipe's.
+        precision = cpu_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
+        if precision != trainer_cfg.get("precision"):
+            kwargs["precision"] = precision
         try:
             return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as exc:  # Lightning's own checks of the trainer settings
