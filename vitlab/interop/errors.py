@@ -24,6 +24,10 @@ class UnsafeCheckpointError(CheckpointError):
     """A pickle that needs arbitrary Python objects; vitlab never unpickles those."""
 
 
+class ExportError(UserError, ValueError):
+    """The model uses an option the target format cannot express, or the export needs a missing package."""
+
+
 class SourceError(UserError, OSError):
     """A checkpoint named by a hub repo or a URL that cannot be fetched: offline and not cached, a missing
     or gated repo, a failed or cut-short download. The message names the source, never a token."""

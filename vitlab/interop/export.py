@@ -11,17 +11,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vitlab.errors import UserError
+from vitlab.interop.errors import ExportError
 from vitlab.models.vit import VisionTransformer
 
 FORMATS = ("vitlab", "hf", "timm", "onnx")
 # ONNX traces the forward pass, so it takes every option; vitlab's own format stores the config.
 _ALL = frozenset(FORMATS)
 _TRACED = frozenset({"vitlab", "onnx"})
-
-
-class ExportError(UserError, ValueError):
-    """The model uses an option the target format cannot express, or the export needs a missing package."""
 
 
 def _options(config: Mapping[str, Any]) -> list[tuple[str, frozenset[str]]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vitlab.interop.export import ExportError
+from vitlab.interop.errors import ExportError
 from vitlab.models.vit import VisionTransformer
 
 OPSET = 18
