@@ -7,6 +7,7 @@ MixUp/CutMix on train batches, and the `data_config` a checkpoint stores for inf
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from vitlab.data.transforms import (
     DEFAULT_STD,
     AutoAugment,
     MixupCutmixCollate,
+    SizedTransform,
     TrainCrop,
     eval_transform,
     interpolation_mode,
@@ -47,12 +49,45 @@ def per_device_batch(batch_size: int, world_size: int) -> int:
     return batch_size // world_size
 
 
+def check_img_size_schedule(schedule: Sequence[Sequence[int]] | None, img_size: int) -> list[tuple[int, int]] | None:
+    """`[[epoch, size], ...]` checked: from epoch 0, epochs increasing, sizes >= 1, ending at img_size
+    (the size the model is built, validated and saved at). One ValueError line naming the fix."""
+    if schedule is None:
+        return None
+    try:
+        pairs = [(int(e), int(s)) for e, s in schedule]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"img_size_schedule must be a list of [epoch, size] pairs, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
+            f"got {schedule!r}"
+        ) from None
+    epochs = [e for e, _ in pairs]
+    if not pairs or epochs[0] != 0 or any(b <= a for a, b in zip(epochs, epochs[1:])):
+        raise ValueError(
+            f"img_size_schedule epochs must start at 0 and increase, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
+            f"got {schedule!r}"
+        )
+    if any(s < 1 for _, s in pairs):
+        raise ValueError(f"img_size_schedule sizes must be >= 1, got {schedule!r}")
+    if pairs[-1][1] != img_size:
+        raise ValueError(
+            f"img_size_schedule must end at img_size={img_size} (the size the model is built, validated and saved "
+            f"at), but its last size is {pairs[-1][1]}; set img_size: {pairs[-1][1]} or end the schedule with "
+            f"[{pairs[-1][0]}, {img_size}]"
+        )
+    return pairs
+
+
 class ImageDataModule(L.LightningDataModule):
     """Base image-classification DataModule; see the module docstring.
 
     `batch_size` is the global batch: each process loads `batch_size // world_size`. Eval preprocessing
     is Resize(img_size / crop_pct) + CenterCrop(img_size). For 32px sources set crop_pct=1.0 (a plain
     resize; `CIFARDataModule` does so by default): cropping a tiny picture loses a tenth of it.
+
+    `img_size_schedule` (`[[epoch, size], ...]`, ending at img_size) is progressive resizing: from each
+    listed epoch on, train images are cropped to that size (the `ImgSizeSchedule` callback sets it from
+    the trainer's epoch and the model follows); validation stays at img_size.
     """
 
     def __init__(
@@ -76,10 +111,12 @@ class ImageDataModule(L.LightningDataModule):
         skip_bad_images: bool = False,
         seed: int = 0,
         eval_equal_batches: bool | None = None,
+        img_size_schedule: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         if img_size < 1:
             raise ValueError(f"img_size must be >= 1, got {img_size}")
+        self.img_size_schedule = check_img_size_schedule(img_size_schedule, img_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -116,6 +153,9 @@ class ImageDataModule(L.LightningDataModule):
         self.seed = seed
         self.eval_equal_batches = eval_equal_batches
         self._num_classes_arg = num_classes
+        # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
+        # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.img_size_schedule).
+        self._train_size = torch.tensor(img_size, dtype=torch.int64).share_memory_()
         self._class_names: list[str] | None = None
         self._class_where = ""  # where the names came from, for error messages
         self.train_dataset: Any = None
@@ -224,12 +264,26 @@ class ImageDataModule(L.LightningDataModule):
 
     # ---- transforms -------------------------------------------------------------------------------
 
+    @property
+    def train_size(self) -> int:
+        """The side train images are cropped to now: img_size, or the schedule's size for this epoch."""
+        return int(self._train_size)
+
+    def set_train_size(self, size: int) -> None:
+        self._train_size.fill_(int(size))
+
+    def img_size_at(self, epoch: int) -> int:
+        """The train size `img_size_schedule` gives `epoch` (img_size without a schedule)."""
+        sizes = [size for start, size in self.img_size_schedule or [] if start <= epoch]
+        return sizes[-1] if sizes else self.img_size
+
     def train_transform(self) -> Any:
-        return train_transform(
-            self.img_size, train_crop=self.train_crop, scale_min=self.scale_min, hflip=self.hflip,
+        build = functools.partial(
+            train_transform, train_crop=self.train_crop, scale_min=self.scale_min, hflip=self.hflip,
             auto_augment=self.auto_augment, randaugment_magnitude=self.randaugment_magnitude,
             mean=self.mean, std=self.std, interpolation=self.interpolation,
         )  # fmt: skip
+        return SizedTransform(self._train_size, build) if self.img_size_schedule else build(self.img_size)
 
     def eval_transform(self) -> Any:
         return eval_transform(self._preprocessing())
