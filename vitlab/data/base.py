@@ -17,7 +17,6 @@ import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.loaders import BatchedDataset, EpochLoader, EqualBatchSampler, WorkerInit, available_cpus
 from vitlab.data.random_state import WorkerRandomState
@@ -86,8 +85,8 @@ class ImageDataModule(L.LightningDataModule):
     resize; `CIFARDataModule` does so by default): cropping a tiny picture loses a tenth of it.
 
     `img_size_schedule` (`[[epoch, size], ...]`, ending at img_size) is progressive resizing: from each
-    listed epoch on, train images are cropped to that size (the `ImgSizeSchedule` callback sets it from
-    the trainer's epoch and the model follows); validation stays at img_size.
+    listed epoch on, train images are cropped to that size, set from the trainer's epoch as each epoch's
+    loader starts (the `ImgSizeSchedule` callback moves the model along); validation stays at img_size.
     """
 
     def __init__(
@@ -264,12 +263,8 @@ class ImageDataModule(L.LightningDataModule):
 
     # ---- transforms -------------------------------------------------------------------------------
 
-    @property
-    def train_size(self) -> int:
-        """The side train images are cropped to now: img_size, or the schedule's size for this epoch."""
-        return int(self._train_size)
-
     def set_train_size(self, size: int) -> None:
+        """Crop train images to `size` from now on (progressive resizing), in DataLoader workers too."""
         self._train_size.fill_(int(size))
 
     def img_size_at(self, epoch: int) -> int:
@@ -360,7 +355,7 @@ class ImageDataModule(L.LightningDataModule):
         # Lightning checkpoints a StatefulDataLoader's position (and WorkerRandomState its workers'
         # random streams), so a mid-epoch resume continues exactly.
         sampler = self.train_sampler(dataset)
-        return StatefulDataLoader(
+        return EpochLoader(
             WorkerRandomState(dataset),
             batch_size=self.per_device_batch_size,
             shuffle=sampler is None,
@@ -371,12 +366,27 @@ class ImageDataModule(L.LightningDataModule):
             collate_fn=self.train_collate(),
             generator=torch.Generator().manual_seed(self.seed),
             worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
+            epoch_fn=self._epoch_fn(),
         )
+
+    def _epoch_fn(self) -> Callable[[], int] | None:
+        """What a loader calls as it starts an epoch: the trainer's epoch, after setting the schedule's
+        train size for it. Then, before any worker crops an image of the epoch, and also when a resumed
+        run restarts its loader, the size follows the epoch alone: the same on every rank."""
+        trainer = self._trainer()
+        if trainer is None:
+            return None
+
+        def epoch() -> int:
+            e = int(trainer.current_epoch)
+            self.set_train_size(self.img_size_at(e))
+            return e
+
+        return epoch
 
     def _stream_loader(self, dataset: Any, train: bool, batch_size: int) -> DataLoader:
         """Loader for a streamed (iterable) dataset, which learns the epoch from the trainer to reshuffle."""
         workers = self.resolved_num_workers
-        trainer = self._trainer()
         return EpochLoader(
             dataset,
             batch_size=batch_size,
@@ -385,7 +395,7 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             collate_fn=self.train_collate() if train else None,
             worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
-            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
+            epoch_fn=self._epoch_fn(),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -2,9 +2,10 @@
 
 The size of an epoch is derived from `trainer.current_epoch` alone, so every DDP rank switches at the
 same step and a resumed run (Lightning restores the epoch) continues the schedule where it was. The
-data module crops train images to it (`set_train_size`: streaming workers read it from shared
-memory, the in-memory path at each batch) and the model takes it through `use_input_size`: its
-position embeddings stay at the full grid and each smaller forward resamples them from it.
+data module crops train images to it (set as each epoch's loader starts; DataLoader workers read it
+from shared memory; the in-memory path at each batch), and this callback has the model take it
+through `use_input_size`: its position embeddings stay at the full grid and each smaller forward
+resamples them from it. Validation runs at the full size.
 
 Under `compile`, each new size costs one recompilation (the input shape and the model's input size
 change; torch may then mark the size dimension dynamic and stop recompiling).
@@ -48,7 +49,6 @@ class ImgSizeSchedule(Callback):
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule) -> None:
         size = trainer.datamodule.img_size_at(trainer.current_epoch)
-        trainer.datamodule.set_train_size(size)
         pl_module.model.use_input_size(size)
         if size != self._size:
             rank_zero_info(f"img_size_schedule: epoch {trainer.current_epoch} trains at {size}x{size}")
@@ -58,7 +58,7 @@ class ImgSizeSchedule(Callback):
         pl_module.model.use_input_size(None)
 
     # Before the first batch: on_train_start also covers a mid-epoch resume, where Lightning skips
-    # on_train_epoch_start; both run before the epoch's loader starts its workers.
+    # on_train_epoch_start.
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:
             self._apply(trainer, pl_module)
@@ -79,4 +79,3 @@ class ImgSizeSchedule(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:
             self._full_size(pl_module)
-            trainer.datamodule.set_train_size(trainer.datamodule.img_size)
