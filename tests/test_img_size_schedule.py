@@ -124,9 +124,10 @@ def folder_data(root: Path, **extra: Any) -> dict:
     return {"class_path": "vitlab.data.ImageFolderDataModule", "init_args": args}
 
 
-def shard_data(shards: Path, val: Path) -> dict:
-    args = {"train_shards": str(shards), "val_shards": str(val), "in_memory": True, "auto_augment": None,
-            "img_size": 32, "batch_size": 8, "num_workers": 0, "crop_pct": 1.0, "img_size_schedule": SCHEDULE}  # fmt: skip
+def shard_data(shards: Path, val: Path, in_memory: bool) -> dict:
+    args = {"train_shards": str(shards), "val_shards": str(val), "in_memory": in_memory, "auto_augment": None,
+            "img_size": 32, "batch_size": 8, "num_workers": 0 if in_memory else 1, "crop_pct": 1.0,
+            "img_size_schedule": SCHEDULE}  # fmt: skip
     return {"class_path": "vitlab.data.ShardDataModule", "init_args": args}
 
 
@@ -141,13 +142,16 @@ def expected_by_epoch() -> dict[int, set]:
     return {e: {(s, None if s == 32 else (s, s))} for e, s in EXPECTED.items()}
 
 
-@pytest.mark.parametrize("path", ["folder", "memory"])
+@pytest.mark.parametrize("path", ["folder", "memory", "stream"])
 def test_schedule_switches_at_the_listed_epochs(path: str, tree: Path, tmp_path: Path) -> None:
-    """Every train batch of an epoch, and the model, at the scheduled size; validation at the full 32."""
+    """Every train batch of an epoch, and the model, at the scheduled size; validation at the full 32.
+    Image folder and streamed shards: a persistent DataLoader worker crops; in-memory shards: the batch
+    augmentation on the device."""
     if path == "folder":
         data = folder_data(tree)
     else:
-        data = shard_data(write_shards(tree, tmp_path / "shards"), write_shards(tree, tmp_path / "val"))
+        shards, val = write_shards(tree, tmp_path / "shards"), write_shards(tree, tmp_path / "val")
+        data = shard_data(shards, val, in_memory=path == "memory")
     out, run = tmp_path / "out", tmp_path / "run"
     assert main(["fit", "--config", str(recipe(tmp_path / "r.yaml", data, out)), "--run_dir", str(run), *QUIET]) == 0
     rec = records(out)
@@ -235,6 +239,25 @@ def test_pos_embed_resampled_from_the_full_grid_every_time() -> None:
     model.use_input_size(None)
     with pytest.raises(ValueError, match="24x24 differs from the model's img_size 32x32"):
         model(x24)
+
+
+def test_compiled_model_recompiles_once_per_size() -> None:
+    """Under torch.compile (dynamo's guards; the eager backend keeps it fast) a schedule 16 -> 24 -> 32 and
+    back to 16 compiles one graph per size, and each gives the uncompiled model's logits."""
+    from torch._dynamo.utils import counters
+
+    model = create_model("vit_tiny_patch16", img_size=32, num_classes=3, **TINY).eval()
+    images = {s: torch.randn(2, 3, s, s) for s in (16, 24, 32)}
+    want = {}
+    for s, x in images.items():
+        model.use_input_size(s)
+        want[s] = model(x)
+    counters.clear()
+    model.compile(backend="eager")
+    for s in (16, 16, 24, 32, 16):
+        model.use_input_size(s)
+        torch.testing.assert_close(model(images[s]), want[s])
+    assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_a_size_the_patch_cannot_divide_fails_before_training(tree: Path, tmp_path: Path) -> None:
