@@ -8,6 +8,7 @@ MixUp/CutMix on train batches, and the `data_config` a checkpoint stores for inf
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +62,7 @@ def check_img_size_schedule(schedule: Sequence[Sequence[int]] | None, img_size: 
             f"got {schedule!r}"
         ) from None
     epochs = [e for e, _ in pairs]
-    if not pairs or epochs[0] != 0 or any(b <= a for a, b in zip(epochs, epochs[1:])):
+    if not pairs or epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
         raise ValueError(
             f"img_size_schedule epochs must start at 0 and increase, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
             f"got {schedule!r}"
