@@ -141,7 +141,7 @@ class SizedTransform:
         return self._built[size](img)
 
     def __repr__(self) -> str:
-        return f"SizedTransform(size={int(self.size)}, {self.build(int(self.size))!r})"
+        return f"SizedTransform(size={int(self.size)}, build={self.build!r})"
 
 
 def eval_transform(model_or_data_config: VisionTransformer | Mapping[str, Any]) -> v2.Compose:

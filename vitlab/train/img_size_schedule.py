@@ -54,9 +54,6 @@ class ImgSizeSchedule(Callback):
             rank_zero_info(f"img_size_schedule: epoch {trainer.current_epoch} trains at {size}x{size}")
             self._size = size
 
-    def _full_size(self, pl_module: LightningModule) -> None:
-        pl_module.model.use_input_size(None)
-
     # Before the first batch: on_train_start also covers a mid-epoch resume, where Lightning skips
     # on_train_epoch_start.
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -69,7 +66,7 @@ class ImgSizeSchedule(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:
-            self._full_size(pl_module)
+            pl_module.model.use_input_size(None)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Validation inside an epoch (val_check_interval) hands back to training at the epoch's size.
@@ -78,4 +75,4 @@ class ImgSizeSchedule(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:
-            self._full_size(pl_module)
+            pl_module.model.use_input_size(None)
