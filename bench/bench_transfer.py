@@ -9,6 +9,8 @@ Imagenette's train split:
     transfer at 32px             the fine-tune recipe at the pretraining resolution, same wall-clock
     transfer at 64px             recipes/finetune/imagenette_64px_cpu.yaml
     (--mpp) MPP pretraining      recipes/pretrain/tinyimagenet_mpp_cpu.yaml (labels unused), then the 64px fine-tune
+    (--progressive) progressive  the pretraining recipe with data.img_size_schedule 16 -> 24 -> 32 px for
+                                 PROGRESSIVE_EPOCHS (about the fixed 32px recipe's time), then the 64px fine-tune
 
 Budgets are contracts in epochs (machines differ 2x in speed and are shared): the recipes' own,
 and FINETUNE_32_EPOCHS for the 32px fine-tune. Where two rows must have the same wall-clock, a
@@ -21,6 +23,7 @@ printed beside the contract. Minutes are measured and printed with the load aver
     python bench/bench_transfer.py --reuse         # keep finished runs under --out
     python bench/bench_transfer.py --quick         # smoke run: a few steps each
     python bench/bench_transfer.py --mpp           # also masked patch prediction pretraining, same budgets
+    python bench/bench_transfer.py --progressive   # also progressive-resize pretraining (+~25 min)
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ SCRATCH = ROOT / "recipes/pretrain/imagenette_scratch_cpu.yaml"
 MPP = ROOT / "recipes/pretrain/tinyimagenet_mpp_cpu.yaml"
 # A 32px step costs about 1/2.75 of a 64px one (calibration below), so the 64px fine-tune's 8 epochs buy 22.
 FINETUNE_32_EPOCHS = 22
+# Progressive resizing: 4 epochs each at 16, 24 and 32 px, measured at about 6.7 of the recipe's 8 epochs
+# at 32 px (2 cores; the calibration prints the cost on this machine), so it never gets more time.
+PROGRESSIVE_SCHEDULE = [[0, 16], [4, 24], [8, 32]]
+PROGRESSIVE_EPOCHS = 12
 
 
 @dataclass
@@ -65,17 +72,25 @@ def recipe(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def calibrate(steps: int, rounds: int, n_pretrain: int, n_finetune: int) -> dict[str, float]:
-    """Per-image costs at 32px and 64px, alternating; the ratios the budgets are made of."""
+def calibrate(steps: int, rounds: int, n_pretrain: int, n_finetune: int, progressive: bool = False) -> dict[str, float]:
+    """Per-image costs at 32px and 64px (and the progressive schedule's sizes), alternating; the ratios
+    the budgets are made of."""
     pre, ft = recipe(PRETRAIN), recipe(FINETUNE)
     args, batch = pre["model"]["model_args"], int(ft["data"]["init_args"]["batch_size"])
-    best = {32: float("inf"), 64: float("inf")}
+    sizes = {32, 64} | ({s for _, s in PROGRESSIVE_SCHEDULE} if progressive else set())
+    best = dict.fromkeys(sorted(sizes), float("inf"))
     for _ in range(rounds):
         for size in best:
             best[size] = min(best[size], train_step_seconds(args, size, 10, batch, steps) / batch)
     epoch_pre, epoch_ft = n_pretrain * best[32], n_finetune * best[64]
-    return {"s_per_image_32": best[32], "s_per_image_64": best[64], "pretrain_epoch_in_finetune_epochs":
-            epoch_pre / epoch_ft, "finetune_32_epoch_ratio": best[64] / best[32]}  # fmt: skip
+    out = {f"s_per_image_{s}": t for s, t in best.items()}
+    out.update(pretrain_epoch_in_finetune_epochs=epoch_pre / epoch_ft, finetune_32_epoch_ratio=best[64] / best[32])
+    if progressive:  # the schedule's cost in 32px epochs
+        starts = [e for e, _ in PROGRESSIVE_SCHEDULE] + [PROGRESSIVE_EPOCHS]
+        out["progressive_in_32px_epochs"] = sum(
+            (b - a) * best[s] / best[32] for (a, s), b in zip(PROGRESSIVE_SCHEDULE, starts[1:])
+        )
+    return out
 
 
 def finished(run_dir: Path, epochs: int) -> bool:
@@ -122,6 +137,8 @@ def gains(rows: dict[str, Row]) -> list[str]:
         f"transfer@64 vs scratch (whole budget):     {diff('transfer@64px', 'scratch, whole budget')} (target >= 0)",
         f"transfer@64 vs transfer@32 (same budget):  {diff('transfer@64px', 'transfer@32px')} (target >= +2)",
     ]
+    if "progressive transfer@64px" in rows:
+        out.append(f"progressive vs fixed 32px pretraining:      {diff('progressive transfer@64px', 'transfer@64px')}")
     if "MPP transfer@64px" in rows:
         out += [
             f"MPP transfer vs scratch (fine-tune budget): {diff('MPP transfer@64px', 'scratch, fine-tune budget')} (target >= +3)",
@@ -138,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true", help="keep runs under --out that finished their epochs")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 train and 2 val batches per epoch, 1-2 epochs")
     p.add_argument("--mpp", action="store_true", help="also masked patch prediction pretraining + the same fine-tune")
+    p.add_argument("--progressive", action="store_true",
+                   help="also progressive-resize pretraining (16 -> 24 -> 32 px) + the same fine-tune")
     p.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = p.parse_args(argv)
     for d in (args.pretrain_data, args.finetune_data):
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     e_pre, e_ft = recipe(PRETRAIN)["trainer"]["max_epochs"], recipe(FINETUNE)["trainer"]["max_epochs"]
     e_whole = recipe(SCRATCH)["trainer"]["max_epochs"]
-    cal = calibrate(3 if args.quick else 8, 1 if args.quick else 3, n_pre, n_ft)
+    cal = calibrate(3 if args.quick else 8, 1 if args.quick else 3, n_pre, n_ft, args.progressive)
     e_32 = FINETUNE_32_EPOCHS
     equiv = e_ft + e_pre * cal["pretrain_epoch_in_finetune_epochs"]
     print(f"calibration: {cal['s_per_image_32'] * 1e3:.2f} ms/image at 32px, {cal['s_per_image_64'] * 1e3:.2f} at 64px;"
@@ -166,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
           f" pretraining + fine-tune = {equiv:.1f} scratch epochs (contract: {e_whole}); the 64px fine-tune's"
           f" {e_ft} epochs buy {e_ft * cal['finetune_32_epoch_ratio']:.1f} at 32px (contract: {e_32})",
           flush=True)  # fmt: skip
+    if args.progressive:
+        print(f"calibration: progressive pretraining, {PROGRESSIVE_EPOCHS} epochs {PROGRESSIVE_SCHEDULE}, costs "
+              f"{cal['progressive_in_32px_epochs']:.1f} epochs at 32px (the fixed recipe: {e_pre})", flush=True)
 
     quick = ["--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"] if args.quick else []
     if args.quick:
@@ -179,6 +201,15 @@ def main(argv: list[str] | None = None) -> int:
          ["--data.img_size=32", f"--model.init_from={pre_ckpt}"]),
         ("transfer@64px", "finetune-64px", FINETUNE, ft_data, e_ft, n_ft, [f"--model.init_from={pre_ckpt}"]),
     ]  # fmt: skip
+    if args.progressive:
+        e_prog = 1 if args.quick else PROGRESSIVE_EPOCHS
+        prog_ckpt = args.out / "pretrain-progressive/checkpoints/last.ckpt"
+        schedule = f"--data.img_size_schedule={json.dumps(PROGRESSIVE_SCHEDULE)}"
+        plan += [
+            ("pretrain progressive 16->32", "pretrain-progressive", PRETRAIN, pre_data, e_prog, n_pre, [schedule]),
+            ("progressive transfer@64px", "finetune-progressive-64px", FINETUNE, ft_data, e_ft, n_ft,
+             [f"--model.init_from={prog_ckpt}"]),
+        ]  # fmt: skip
     if args.mpp:
         e_mpp = 1 if args.quick else recipe(MPP)["trainer"]["max_epochs"]
         plan += [

@@ -7,6 +7,8 @@ MixUp/CutMix on train batches, and the `data_config` a checkpoint stores for inf
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +18,6 @@ import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.loaders import BatchedDataset, EpochLoader, EqualBatchSampler, WorkerInit, available_cpus
 from vitlab.data.random_state import WorkerRandomState
@@ -25,6 +26,7 @@ from vitlab.data.transforms import (
     DEFAULT_STD,
     AutoAugment,
     MixupCutmixCollate,
+    SizedTransform,
     TrainCrop,
     eval_transform,
     interpolation_mode,
@@ -47,12 +49,45 @@ def per_device_batch(batch_size: int, world_size: int) -> int:
     return batch_size // world_size
 
 
+def check_img_size_schedule(schedule: Sequence[Sequence[int]] | None, img_size: int) -> list[tuple[int, int]] | None:
+    """`[[epoch, size], ...]` checked: from epoch 0, epochs increasing, sizes >= 1, ending at img_size
+    (the size the model is built, validated and saved at). One ValueError line naming the fix."""
+    if schedule is None:
+        return None
+    try:
+        pairs = [(int(e), int(s)) for e, s in schedule]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"img_size_schedule must be a list of [epoch, size] pairs, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
+            f"got {schedule!r}"
+        ) from None
+    epochs = [e for e, _ in pairs]
+    if not pairs or epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
+        raise ValueError(
+            f"img_size_schedule epochs must start at 0 and increase, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
+            f"got {schedule!r}"
+        )
+    if any(s < 1 for _, s in pairs):
+        raise ValueError(f"img_size_schedule sizes must be >= 1, got {schedule!r}")
+    if pairs[-1][1] != img_size:
+        raise ValueError(
+            f"img_size_schedule must end at img_size={img_size} (the size the model is built, validated and saved "
+            f"at), but its last size is {pairs[-1][1]}; set img_size: {pairs[-1][1]} or end the schedule with "
+            f"[{pairs[-1][0]}, {img_size}]"
+        )
+    return pairs
+
+
 class ImageDataModule(L.LightningDataModule):
     """Base image-classification DataModule; see the module docstring.
 
     `batch_size` is the global batch: each process loads `batch_size // world_size`. Eval preprocessing
     is Resize(img_size / crop_pct) + CenterCrop(img_size). For 32px sources set crop_pct=1.0 (a plain
     resize; `CIFARDataModule` does so by default): cropping a tiny picture loses a tenth of it.
+
+    `img_size_schedule` (`[[epoch, size], ...]`, ending at img_size) is progressive resizing: from each
+    listed epoch on, train images are cropped to that size, set from the trainer's epoch as each epoch's
+    loader starts (the `ImgSizeSchedule` callback moves the model along); validation stays at img_size.
     """
 
     def __init__(
@@ -76,10 +111,12 @@ class ImageDataModule(L.LightningDataModule):
         skip_bad_images: bool = False,
         seed: int = 0,
         eval_equal_batches: bool | None = None,
+        img_size_schedule: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         if img_size < 1:
             raise ValueError(f"img_size must be >= 1, got {img_size}")
+        self.img_size_schedule = check_img_size_schedule(img_size_schedule, img_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -116,6 +153,9 @@ class ImageDataModule(L.LightningDataModule):
         self.seed = seed
         self.eval_equal_batches = eval_equal_batches
         self._num_classes_arg = num_classes
+        # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
+        # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.img_size_schedule).
+        self._train_size = torch.tensor(img_size, dtype=torch.int64).share_memory_()
         self._class_names: list[str] | None = None
         self._class_where = ""  # where the names came from, for error messages
         self.train_dataset: Any = None
@@ -224,12 +264,22 @@ class ImageDataModule(L.LightningDataModule):
 
     # ---- transforms -------------------------------------------------------------------------------
 
+    def set_train_size(self, size: int) -> None:
+        """Crop train images to `size` from now on (progressive resizing), in DataLoader workers too."""
+        self._train_size.fill_(int(size))
+
+    def img_size_at(self, epoch: int) -> int:
+        """The train size `img_size_schedule` gives `epoch` (img_size without a schedule)."""
+        sizes = [size for start, size in self.img_size_schedule or [] if start <= epoch]
+        return sizes[-1] if sizes else self.img_size
+
     def train_transform(self) -> Any:
-        return train_transform(
-            self.img_size, train_crop=self.train_crop, scale_min=self.scale_min, hflip=self.hflip,
+        build = functools.partial(
+            train_transform, train_crop=self.train_crop, scale_min=self.scale_min, hflip=self.hflip,
             auto_augment=self.auto_augment, randaugment_magnitude=self.randaugment_magnitude,
             mean=self.mean, std=self.std, interpolation=self.interpolation,
         )  # fmt: skip
+        return SizedTransform(self._train_size, build) if self.img_size_schedule else build(self.img_size)
 
     def eval_transform(self) -> Any:
         return eval_transform(self._preprocessing())
@@ -306,7 +356,7 @@ class ImageDataModule(L.LightningDataModule):
         # Lightning checkpoints a StatefulDataLoader's position (and WorkerRandomState its workers'
         # random streams), so a mid-epoch resume continues exactly.
         sampler = self.train_sampler(dataset)
-        return StatefulDataLoader(
+        return EpochLoader(
             WorkerRandomState(dataset),
             batch_size=self.per_device_batch_size,
             shuffle=sampler is None,
@@ -317,12 +367,27 @@ class ImageDataModule(L.LightningDataModule):
             collate_fn=self.train_collate(),
             generator=torch.Generator().manual_seed(self.seed),
             worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
+            epoch_fn=self._epoch_fn(),
         )
+
+    def _epoch_fn(self) -> Callable[[], int] | None:
+        """What a loader calls as it starts an epoch: the trainer's epoch, after setting the schedule's
+        train size for it. Then, before any worker crops an image of the epoch, and also when a resumed
+        run restarts its loader, the size follows the epoch alone: the same on every rank."""
+        trainer = self._trainer()
+        if trainer is None:
+            return None
+
+        def epoch() -> int:
+            e = int(trainer.current_epoch)
+            self.set_train_size(self.img_size_at(e))
+            return e
+
+        return epoch
 
     def _stream_loader(self, dataset: Any, train: bool, batch_size: int) -> DataLoader:
         """Loader for a streamed (iterable) dataset, which learns the epoch from the trainer to reshuffle."""
         workers = self.resolved_num_workers
-        trainer = self._trainer()
         return EpochLoader(
             dataset,
             batch_size=batch_size,
@@ -331,7 +396,7 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             collate_fn=self.train_collate() if train else None,
             worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
-            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else None,
+            epoch_fn=self._epoch_fn(),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -181,12 +181,15 @@ class BatchAugment:
         self.train_crop, self.scale_min, self.hflip = train_crop, scale_min, hflip
         self.mean, self.std, self.mix = list(mean), list(std), mix
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor, size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`size`: crop to this side instead of img_size (progressive resizing)."""
         n = images.shape[0]
         x = images.float().div_(255)
         boxes = sample_crop_boxes(n, self.train_crop, self.scale_min, device=x.device)
         flip = torch.rand(n, device=x.device) < 0.5 if self.hflip else None
-        x = crop_resize(x, boxes, self.size, flip)
+        x = crop_resize(x, boxes, self.size if size is None else (size, size), flip)
         x = TF.normalize(x, self.mean, self.std)
         if self.mix is not None:
             x, labels = self.mix(x, labels)

@@ -592,7 +592,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
                 self._augment = BatchAugment(
                     self.img_size, self.train_crop, self.scale_min, self.hflip, self.mean, self.std, collate.mix
                 )  # fmt: skip
-            return self._augment(images, labels)
+            return self._augment(images, labels, size=self.img_size_at(trainer.current_epoch))
         return normalise_batch(images, self.mean, self.std), labels
 
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -123,6 +123,25 @@ def train_transform(
     elif auto_augment is not None:
         raise ValueError(f"unknown auto_augment {auto_augment!r}; choose 'randaugment', 'trivialaugment' or None")
     return v2.Compose(ops + _to_normalised(mean, std))
+
+
+class SizedTransform:
+    """A transform built per size, applied at the size a shared-memory tensor holds now (progressive
+    resizing): DataLoader workers, persistent ones too, read the size the main process set for the
+    epoch. `build(size)` must pickle (a module-level function or a partial of one)."""
+
+    def __init__(self, size: torch.Tensor, build: Callable[[int], Any]) -> None:
+        self.size, self.build = size, build
+        self._built: dict[int, Any] = {}
+
+    def __call__(self, img: Any) -> Any:
+        size = int(self.size)
+        if size not in self._built:
+            self._built[size] = self.build(size)
+        return self._built[size](img)
+
+    def __repr__(self) -> str:
+        return f"SizedTransform(size={int(self.size)}, build={self.build!r})"
 
 
 def eval_transform(model_or_data_config: VisionTransformer | Mapping[str, Any]) -> v2.Compose:

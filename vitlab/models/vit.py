@@ -220,6 +220,8 @@ class VisionTransformer(nn.Module):
         self.distilled = distilled
         self.num_prefix_tokens = int(class_token) + int(distilled)
         self.grad_checkpointing = False
+        # Another input size without another model (progressive resizing; `use_input_size`); None: img_size.
+        self.input_size: tuple[int, int] | None = None
 
         self.patch_embed = make_tokenizer(stem, img_size, patch_size, in_chans, embed_dim, stem_channels, stem_layers)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
@@ -279,11 +281,19 @@ class VisionTransformer(nn.Module):
     # ---- the model -------------------------------------------------------------------------------
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
+        if self.input_size is None:
+            x, pos_embed = self.patch_embed(x), self.pos_embed  # the tokenizer checks x against img_size
+        else:
+            if x.ndim != 4 or tuple(x.shape[-2:]) != self.input_size:
+                h, w = self.input_size
+                raise ValueError(f"expected images [B, C, {h}, {w}] (use_input_size), got {tuple(x.shape)}")
+            grid = token_grid(self.input_size, self.patch_embed.patch_size)
+            pos_embed = self._pos_embed_for(self.pos_embed, self.patch_embed.grid_size, grid)
+            x = self.patch_embed.tokenize(x)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
         if prefix:
             x = torch.cat([*prefix, x], dim=1)
-        return self.pos_drop(x + self.pos_embed)
+        return self.pos_drop(x + pos_embed)
 
     def _run_blocks(self, x: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
         """Embedded tokens through the blocks; `num_queries` is passed to the last one."""
@@ -375,18 +385,35 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(self._pos_embed_for(self.pos_embed.detach(), old_grid, **resample_kwargs),
                                       requires_grad=self.pos_embed.requires_grad)  # fmt: skip
 
+    def use_input_size(self, img_size: int | tuple[int, int] | None) -> None:
+        """Take inputs of `img_size` from now on without changing any parameter (progressive resizing).
+
+        Each forward then resamples the position embeddings from the stored full grid (sin-cos ones are
+        drawn for the new grid), differentiably: the gradients reach the full-grid parameter, and since
+        every size is resampled from that grid, never from another resample, nothing is lost. None (or
+        the model's own img_size) goes back to img_size. `set_image_size` instead resizes the model for good.
+        """
+        size = self.patch_embed.img_size if img_size is None else to_2tuple(img_size)
+        token_grid(size, self.patch_embed.patch_size)  # a size the patch does not divide: a ValueError naming it
+        self.input_size = None if size == self.patch_embed.img_size else size
+
     def _pos_embed_for(
-        self, pos_embed: torch.Tensor, old_grid: tuple[int, int], **resample_kwargs: Any
+        self,
+        pos_embed: torch.Tensor,
+        old_grid: tuple[int, int],
+        new_grid: tuple[int, int] | None = None,
+        **resample_kwargs: Any,
     ) -> torch.Tensor:
-        """`pos_embed` of grid `old_grid` for the current grid: resampled, or sin-cos drawn anew."""
+        """`pos_embed` of grid `old_grid` for `new_grid` (default: the model's grid): resampled, or sin-cos
+        drawn anew."""
+        new_grid = new_grid or self.patch_embed.grid_size
         if self.config["pos_embed"] == "sincos":
-            new = pos_embed.new_zeros(1, self._num_pos(), self.embed_dim)
-            new[0, self.num_prefix_tokens :] = sincos_pos_embed_2d(self.patch_embed.grid_size, self.embed_dim)
+            new = pos_embed.new_zeros(1, self.num_prefix_tokens + new_grid[0] * new_grid[1], self.embed_dim)
+            new[0, self.num_prefix_tokens :] = sincos_pos_embed_2d(new_grid, self.embed_dim)
             return new
         return resample_pos_embed(
-            pos_embed, self.patch_embed.grid_size, old_grid=old_grid, num_prefix_tokens=self.num_prefix_tokens,
-            **resample_kwargs,
-        )  # fmt: skip
+            pos_embed, new_grid, old_grid=old_grid, num_prefix_tokens=self.num_prefix_tokens, **resample_kwargs
+        )
 
     def reset_head(self, num_classes: int) -> None:
         """Swap in a zero-initialised linear head (both heads of a distilled model) and drop the
@@ -415,9 +442,6 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names kept out of weight decay besides norms and biases."""
         return {"pos_embed", "cls_token", "dist_token"}
-
-    def _num_pos(self) -> int:
-        return self.num_prefix_tokens + self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
 
 
 def _fit_checkpoint_to_size(model: VisionTransformer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

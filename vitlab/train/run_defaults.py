@@ -21,6 +21,7 @@ from vitlab.train.callbacks import PerfMonitor
 from vitlab.train.checkpoint_io import AtomicCheckpointIO
 from vitlab.train.figures import FinetuneSource, ValidationFigures
 from vitlab.train.guards import NonFiniteGuard, RunDirCheck, check_run_dir
+from vitlab.train.img_size_schedule import ImgSizeSchedule
 from vitlab.train.last_checkpoint import LastCheckpoint
 from vitlab.train.redaction import RedactSecrets, keep_argv_out_of_trackers
 from vitlab.train.resume import ExactResume
@@ -141,7 +142,8 @@ def run_callbacks(
             "use vitlab.train.last_checkpoint.LastCheckpoint(every_n_train_steps=...) in its place",
             every_n_train_steps,
         )
-    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, ValidationFigures, FinetuneSource):
+    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, ValidationFigures, FinetuneSource,
+                 ImgSizeSchedule):  # fmt: skip
         if not has(kind):
             extra.append(kind())
     if not has(RunDirCheck):
