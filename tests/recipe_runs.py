@@ -205,3 +205,31 @@ def resnet18_teacher(path: Path, num_classes: int) -> Path:
 
     torch.save(torchvision.models.resnet18(num_classes=num_classes).state_dict(), path)
     return path
+
+
+# The hub recipes' sources, as tiny random models under the recipes' own repo names (the arch check
+# takes the test's small model_args); the commit is huggingface_hub's 40-hex layout.
+HUB_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+HUB_TINY = {"embed_dim": 32, "depth": 2, "num_heads": 2, "num_classes": 5}
+
+
+def hub_cache(cache: Path) -> Path:
+    """A Hugging Face cache holding the two hub recipes' `init_from` repos: timm's ViT-Ti/16 layout and
+    transformers' ViT-B/16 layout, each a small random model of the same patch size and input size."""
+    import timm
+    import transformers
+    from timm.models._hub import save_for_hf
+
+    from test_hub import put_repo
+
+    timm_model = timm.create_model("vit_tiny_patch16_224", **HUB_TINY)
+    folder = cache.parent / "timm_export"
+    save_for_hf(timm_model, str(folder), model_args=HUB_TINY, safe_serialization=True)
+    put_repo(cache, "timm/vit_tiny_patch16_224.augreg_in21k", folder, HUB_COMMIT)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=128, image_size=224, patch_size=16, num_labels=5)  # fmt: skip
+    folder = cache.parent / "hf_export"
+    transformers.ViTForImageClassification(config).save_pretrained(folder)
+    transformers.ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(folder)
+    put_repo(cache, "google/vit-base-patch16-224-in21k", folder, HUB_COMMIT)
+    return cache

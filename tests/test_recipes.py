@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 from cli_probe import run_cli
-from recipe_runs import fake_cifar, finite, image_tree, read_records, resnet18_teacher, small_shards
+from recipe_runs import HUB_COMMIT, fake_cifar, finite, hub_cache, image_tree, read_records, resnet18_teacher, small_shards
 
 from vitlab.cli import VitlabCLI, main
 
@@ -48,7 +48,7 @@ WHY = {
     "trainer.max_steps": "2 optimizer steps",
     "trainer.limit_train_batches": "the epoch ends after those 2 batches, so the epoch's validation runs",
     "trainer.limit_val_batches": "1 validation batch",
-    "trainer.val_check_interval": "validate after step 2 (the recipe validates every 2000 steps)",
+    "trainer.val_check_interval": "validate after step 2 (the recipe validates every 200 to 2000 steps)",
     "trainer.callbacks+": "recipe_runs.RecordRun writes down what ran; it changes nothing",
     "run_dir": "a temporary folder",
     "trainer.accelerator": "no GPU here",
@@ -106,6 +106,10 @@ OVERRIDES: dict[str, list[str]] = {
     "finetune/imagenette_deit_distill_cpu": [*SMALL_INIT, "--model.init_args.teacher={teacher}", *IMAGENETTE, *BATCH],
     "finetune/imagenet1k_vit_base16_384": [*DDP2, *SMALL, "--trainer.val_check_interval=2",
                                            "--data.root={imagenet384}", *BATCH, *FROM_PRETRAINED],  # fmt: skip
+    # The recipe's own init_from (a hub name) stays: the test's HF cache holds a small model under it.
+    "finetune/hub_vit_small_cpu": [*SMALL, "--trainer.val_check_interval=2", "--data.root={imagenet256}", *BATCH],
+    "finetune/hub_vit_base16_384": [*GPU1, *SMALL, "--trainer.val_check_interval=2", "--data.root={imagenet384}",
+                                    *BATCH],  # fmt: skip
 }
 # The pretraining recipe whose checkpoint each fine-tune recipe starts from (its header's `make finetune CKPT=`).
 PRETRAINED_BY = {
@@ -198,12 +202,21 @@ def runner(
         # ImageNet-style folders at a little over the recipe's size (224 and 384): 2 classes, 4 + 2 photos each
         "imagenet224": image_tree(imagenette_shards / "train", root / "imagenet224", 256, 2, n_train=4, n_val=2),
         "imagenet384": image_tree(imagenette_shards / "train", root / "imagenet384", 416, 2, n_train=4, n_val=2),
+        "imagenet256": image_tree(imagenette_shards / "train", root / "imagenet256", 288, 2, n_train=4, n_val=2),
         "teacher": resnet18_teacher(root / "teacher.pth", num_classes=10),
     }
     small_shards(tinyimagenet_shards / "train", root / "tin" / "train", 16)
     small_shards(tinyimagenet_shards / "val", root / "tin" / "val", 8)
     with pytest.MonkeyPatch.context() as mp:
         import torchvision.datasets.cifar
+        from huggingface_hub import constants
+
+        # The hub recipes read their sources from this cache, offline (here and in subprocesses).
+        cache = hub_cache(root / "hf" / "hub")
+        for key, value in {"HF_HOME": str(root / "hf"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}.items():
+            mp.setenv(key, value)
+        mp.setattr(constants, "HF_HUB_CACHE", str(cache))
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
 
         # The CIFAR archives are ours, not the release: torchvision's md5 checks would refuse them.
         mp.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
@@ -265,6 +278,8 @@ def test_recipe_runs_two_steps_on_cpu(recipe: Path, runner: RecipeRunner) -> Non
                 for k, v in value.items():
                     if not {f"model.model_args.{k}", f"model.init_args.model_args.{k}"} & overridden:
                         assert _same(rec["model_config"][k], v), (k, rec["model_config"][k], v)
+            elif key == "init_from" and str(value).startswith("hf-hub:"):  # kept, pinned to the commit read
+                assert rec["hparams"][key] == f"{value}@{HUB_COMMIT}", rec["hparams"][key]
             elif not {f"model.{key}", f"model.init_args.{key}"} & overridden:
                 assert _same(rec["hparams"][key], value), (key, rec["hparams"][key], value)
         assert rec["model_config"]["img_size"] == [data_cfg["init_args"]["img_size"]] * 2
