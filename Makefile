@@ -6,6 +6,7 @@
 #   GPUS=    devices per node (DDP when > 1)    NODES=  number of nodes
 #   LOGGER=  wandb to log to Weights & Biases too (offline without an API key)
 #   ARGS=    extra CLI flags, e.g. ARGS=--ckpt_path=last to resume the same run
+#   RESOLUTION_ARGS=  flags for the `vitlab resolution` that ends `make finetune`, e.g. --limit-batches 10
 #
 # The device check (bench/gpu_check.py): `make gpu-data gpu-wheels` here, then on the GPU machine
 # `make gpu-check OUT=dir` (its own python3, the wheels from .whl/, vitlab from this tree);
@@ -54,7 +55,7 @@ FT_SOURCE = $(or $(CKPT),$(if $(shell grep -qE '^ +init_from: *[^ #]' $(FT_RECIP
 finetune: install
 	$(VITLAB) fit --config $(FT_RECIPE) --run_dir $(or $(RUN),$(FINETUNE_RUN)) \
 		$(if $(FT_SOURCE),--model.init_from $(FT_SOURCE)) $(COMMON) $(ARGS)
-	$(VITLAB) resolution --run $(or $(RUN),$(FINETUNE_RUN))
+	$(VITLAB) resolution --run $(or $(RUN),$(FINETUNE_RUN)) $(RESOLUTION_ARGS)
 
 dashboard: install  # PORT= (default 6006), LOGDIR= (default runs/)
 	$(VENV)/bin/tensorboard --logdir $(or $(LOGDIR),runs) --port $(or $(PORT),6006) --bind_all

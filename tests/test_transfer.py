@@ -4,6 +4,7 @@ resolution, the shard-folder layouts DATA= takes, and the in-memory data path be
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -238,7 +239,11 @@ def test_pretrain_then_finetune_at_64px_through_make(
     assert pre["state_dict"]["model.head.weight"].shape == (200, 192)
 
     make("finetune", f"DATA={imagenette_shards}", f"RUN={tmp_path / 'ft'}", f"CKPT={tmp_path / 'pre/checkpoints/last.ckpt'}",
-         FEW_STEPS)  # fmt: skip
+         FEW_STEPS, "RESOLUTION_ARGS=--limit-batches 1")  # fmt: skip
+    # make finetune ends with the resolution sweep: source and fine-tuned model, around both sizes
+    rows = json.loads((tmp_path / "ft/resolution/resolution.json").read_text())["rows"]
+    assert {r["trained_img_size"] for r in rows} == {32, 64}  # the source and the fine-tuned model
+    assert {32, 64} <= {r["img_size"] for r in rows} and all(0 <= r["acc1"] <= 1 for r in rows if r["acc1"] is not None)
     ft = torch.load(tmp_path / "ft/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
     assert ft["vitlab"]["data_config"]["class_names"] == lines(imagenette_shards / "train/classes.txt")
     assert ft["vitlab"]["model_config"]["img_size"] == [64, 64]
