@@ -21,6 +21,7 @@ import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vitlab.data import ImageDataModule
 from vitlab.errors import UserError
@@ -54,6 +55,11 @@ class SaveRunConfig(SaveConfigCallback):
         path = Path(trainer.default_root_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.parser.save(self.config, str(path), skip_none=False, overwrite=True)
+        # The callbacks vitlab and Lightning add are not config keys (a rerun adds them again): a
+        # comment on top lets a reader of the record see everything that ran.
+        names = ", ".join(type(cb).__name__ for cb in trainer.callbacks)
+        rank_zero_info(f"callbacks: {names}")
+        path.write_text(f"# callbacks in this run: {names}\n" + path.read_text())
 
 
 class VitlabCLI(LightningCLI):
@@ -131,6 +137,7 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        from vitlab.train.callbacks import image_flops_summary
         from vitlab.train.run_defaults import cpu_precision, run_callbacks, run_loggers, run_plugins
 
         run_dir = Path(self._get(self.config, "run_dir"))
@@ -151,10 +158,13 @@ class VitlabCLI(LightningCLI):
         if precision != trainer_cfg.get("precision"):
             kwargs["precision"] = precision
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as exc:  # Lightning's own checks of the trainer settings
             raise UserError(f"the trainer settings do not work here: {exc} Fix the recipe's trainer: section "
                             "or the --trainer.* options") from exc  # fmt: skip
+        # Lightning's default model summary shows "0 Total Flops" without an example input: count them.
+        trainer.callbacks[:] = [cb if cb in existing else image_flops_summary(cb) for cb in trainer.callbacks]
+        return trainer
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | None) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
+from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from vitlab.analysis.distance import mean_attention_distance
 from vitlab.analysis.filters import patch_embedding_components
 from vitlab.analysis.plots import (
@@ -74,8 +75,8 @@ def top_predictions(logits: torch.Tensor, names: Sequence[str], topk: int = 5) -
 
 def denormalize(x: torch.Tensor, data_config: dict[str, Any]) -> torch.Tensor:
     """Undo the eval transform's normalisation: `[3, H, W]` -> RGB in [0, 1] (what the model saw)."""
-    mean = torch.tensor(data_config.get("mean", (0.5, 0.5, 0.5)), dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(data_config.get("std", (0.5, 0.5, 0.5)), dtype=x.dtype, device=x.device).view(-1, 1, 1)
+    mean = torch.tensor(data_config.get("mean", IMAGENET_INCEPTION_MEAN), dtype=x.dtype, device=x.device).view(-1, 1, 1)
+    std = torch.tensor(data_config.get("std", IMAGENET_INCEPTION_STD), dtype=x.dtype, device=x.device).view(-1, 1, 1)
     return (x * std + mean).clamp(0, 1)
 
 
@@ -152,8 +153,8 @@ def noise_inputs(model: torch.nn.Module, n: int = 8, seed: int = 0, sigma: float
     """Deterministic stand-in images: the normalisation mean colour plus Gaussian pixel noise, normalised."""
     cfg = model.data_config
     h, w = model.patch_embed.img_size
-    mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5))).view(-1, 1, 1)
-    std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5))).view(-1, 1, 1)
+    mean = torch.tensor(cfg.get("mean", IMAGENET_INCEPTION_MEAN)).view(-1, 1, 1)
+    std = torch.tensor(cfg.get("std", IMAGENET_INCEPTION_STD)).view(-1, 1, 1)
     gen = torch.Generator().manual_seed(seed)
     pixels = (mean + sigma * torch.randn(n, model.patch_embed.in_chans, h, w, generator=gen)).clamp(0, 1)
     return (pixels - mean) / std

@@ -14,11 +14,13 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
+from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+
 if TYPE_CHECKING:
     from vitlab.models.vit import VisionTransformer
 
-DEFAULT_MEAN = (0.5, 0.5, 0.5)
-DEFAULT_STD = (0.5, 0.5, 0.5)
+DEFAULT_MEAN = IMAGENET_INCEPTION_MEAN  # what vitlab's models and Google's checkpoints expect
+DEFAULT_STD = IMAGENET_INCEPTION_STD
 TrainCrop = Literal["rrc", "pad"]
 AutoAugment = Literal["randaugment", "trivialaugment"]
 

@@ -19,17 +19,25 @@ from typing import Any
 
 import torch
 
+from vitlab.constants import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    IMAGENET_INCEPTION_MEAN,
+    IMAGENET_INCEPTION_STD,
+)
 from vitlab.interop.architecture import Converted, Source
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "hf"
 # ViTImageProcessor: mean/std 0.5, bilinear resize straight to the input size (no crop).
 DATA_CONFIG: dict[str, Any] = {
-    "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None,
+    "mean": list(IMAGENET_INCEPTION_MEAN), "std": list(IMAGENET_INCEPTION_STD),
+    "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None,
 }  # fmt: skip
 # DeiTImageProcessor: resize 256, centre crop 224, bicubic, ImageNet mean/std.
 DEIT_DATA_CONFIG: dict[str, Any] = {
-    "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "interpolation": "bicubic", "crop_pct": 0.875,
+    "mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD),
+    "interpolation": "bicubic", "crop_pct": 0.875,
     "class_names": None,
 }  # fmt: skip
 # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners False, no antialias.

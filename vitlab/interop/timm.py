@@ -15,6 +15,12 @@ from typing import Any
 
 import torch
 
+from vitlab.constants import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    IMAGENET_INCEPTION_MEAN,
+    IMAGENET_INCEPTION_STD,
+)
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, Source, strip_prefix
 from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
@@ -24,10 +30,11 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 # timm's augreg ViT weights: Inception mean/std, bicubic resize, crop 0.9.
 DATA_CONFIG: dict[str, Any] = {
-    "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bicubic", "crop_pct": 0.9, "class_names": None,
+    "mean": list(IMAGENET_INCEPTION_MEAN), "std": list(IMAGENET_INCEPTION_STD),
+    "interpolation": "bicubic", "crop_pct": 0.9, "class_names": None,
 }  # fmt: skip
 # timm's DeiT weights (those with a distillation token): ImageNet mean/std.
-DEIT_DATA: dict[str, Any] = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+DEIT_DATA: dict[str, Any] = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
 
 
 def looks_like(keys: list[str]) -> bool:

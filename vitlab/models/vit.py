@@ -21,6 +21,7 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
+from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from vitlab.models.resize import infer_grid, resample_patch_kernel, resample_pos_embed, to_2tuple
 from vitlab.models.tokenizers import make_tokenizer, token_grid
 
@@ -30,8 +31,6 @@ Pool = Literal["token", "avg", "seq"]
 PosEmbed = Literal["learn", "sincos"]
 Stem = Literal["patch", "conv", "spt", "resnet"]
 
-IMAGENET_INCEPTION_MEAN = (0.5, 0.5, 0.5)
-IMAGENET_INCEPTION_STD = (0.5, 0.5, 0.5)
 
 
 def sincos_pos_embed_2d(grid: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:

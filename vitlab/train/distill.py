@@ -32,14 +32,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from vitlab.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from vitlab.train.module import ViTClassifier
 
 Distillation = Literal["hard", "soft"]
 KLReduction = Literal["batchmean", "deit"]
 
 # torchvision's ImageNet weights expect these; a teacher trained otherwise states its own.
-TORCHVISION_MEAN = (0.485, 0.456, 0.406)
-TORCHVISION_STD = (0.229, 0.224, 0.225)
 _WRAPPERS = ("state_dict", "model", "model_state_dict")
 _PREFIXES = ("module.", "_orig_mod.", "model.")
 
@@ -135,7 +134,7 @@ def load_teacher(path: str, arch: str | None, num_classes: int) -> tuple[nn.Modu
                 f"(the student's): {str(e).splitlines()[0]} ...; check teacher_arch and that the teacher "
                 "was trained on the same classes"
             ) from e
-        transform = {"mean": list(TORCHVISION_MEAN), "std": list(TORCHVISION_STD), "img_size": None}
+        transform = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD), "img_size": None}
         out = num_classes
     if out != num_classes:
         raise ValueError(f"the teacher predicts {out} classes, the student {num_classes}: use a teacher of this data")
