@@ -63,6 +63,7 @@ dashboard: install  # PORT= (default 6006), LOGDIR= (default runs/)
 bench: install
 	$(PY) bench/bench_model.py $(BENCH_ARGS)
 	$(PY) bench/bench_pipeline.py --data $(or $(DATA),$(SHARED_SUBSET))
+	$(PY) bench/bench_precision.py
 
 bench-accuracy: install
 	$(PY) bench/bench_accuracy.py --data $(or $(DATA),$(SHARED_SUBSET)) $(BENCH_ARGS)

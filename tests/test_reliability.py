@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from vitlab.data import ImageFolderDataModule
 from vitlab.train.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
@@ -492,3 +493,38 @@ def test_untested_lightning_version_fails_with_a_clear_message() -> None:
     check_lightning_version(TESTED_LIGHTNING + ".3")
     with pytest.raises(RuntimeError, match=r"tested on Lightning 2\.6\.x, but Lightning 2\.7\.0 is installed"):
         check_lightning_version("2.7.0")
+
+
+class TermAfterFirstStep(Callback):
+    """Sends this process SIGTERM (a preemption) after the first optimizer step."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_terminated_fit_stands_its_signal_watchdog_down(image_folder: Path, tmp_path: Path) -> None:
+    """A fit stopped by SIGTERM inside a process that lives on (a notebook, a test runner) leaves no signal
+    watchdog behind: Lightning skips the callbacks' teardown after an exception, and a watchdog left running
+    would end the process `signal_timeout_s` after the signal."""
+    import threading
+
+    from vitlab.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": 5, "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"arch": "vit_tiny_patch16",
+                  "model_args": {"patch_size": 8, "depth": 1, "embed_dim": 16, "num_heads": 2, "mlp_ratio": 2}},
+        "data": {"class_path": "vitlab.data.ImageFolderDataModule",
+                 "init_args": {"root": str(image_folder), "img_size": 32, "batch_size": 4, "num_workers": 0}},
+    }))  # fmt: skip
+    term = '{"class_path": "test_reliability.TermAfterFirstStep"}'
+    args = ["fit", "--config", str(recipe), "--run_dir", str(tmp_path / "run"), "--loggers=[csv]",
+            f"--trainer.callbacks+={term}"]  # fmt: skip
+    with pytest.raises(BaseException):  # Lightning's SIGTERMException, or the exit it leads to
+        main(args)
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # the signal's save happened
+    assert signal.set_wakeup_fd(-1) == -1, "a signal watchdog's wake-up fd is still installed"
+    time.sleep(0.5)  # the watchdog thread ends within its 0.2 s poll once stood down
+    assert not [t for t in threading.enumerate() if t.name == "vitlab-signal-watchdog" and t.is_alive()]

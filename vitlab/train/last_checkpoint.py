@@ -158,15 +158,17 @@ class LastCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore_usr1()
         # Only a termination signal saves here: after any other error the state may be what broke.
-        if not (self.save_on_signal and isinstance(exception, SIGTERMException)):
-            return
-        if trainer.sanity_checking or trainer.global_step == 0:
-            return
-        path = self.save_last_now(trainer)
-        if trainer.is_global_zero:
-            where = path or self.last_path
-            log.warning("termination signal: %s holds global step %d; resume with --ckpt_path last",
-                        where, trainer.global_step)  # fmt: skip
+        if self.save_on_signal and isinstance(exception, SIGTERMException) and not (
+            trainer.sanity_checking or trainer.global_step == 0
+        ):
+            path = self.save_last_now(trainer)
+            if trainer.is_global_zero:
+                where = path or self.last_path
+                log.warning("termination signal: %s holds global step %d; resume with --ckpt_path last",
+                            where, trainer.global_step)  # fmt: skip
+        # Lightning skips the callbacks' teardown after an exception: stand the watchdog down here, once the
+        # save it guards is done, or its timer would end a process that outlives the fit (a notebook, pytest).
+        self._stop_watchdog()
 
     # ---- signals -----------------------------------------------------------------------------------
 
@@ -220,6 +222,9 @@ class LastCheckpoint(ModelCheckpoint):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._restore_usr1()
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
         if self._watchdog is not None:
             self._watchdog.uninstall()
             self._watchdog = None
