@@ -219,3 +219,34 @@ def test_bf16_falls_back_to_32_true_on_a_cpu_without_it(monkeypatch: pytest.Monk
     assert run_defaults.cpu_precision("bf16-mixed", accelerator="cuda") == "bf16-mixed"  # not a CPU run
     monkeypatch.setattr(run_defaults, "cpu_has_fast_bf16", lambda: True)
     assert run_defaults.cpu_precision("bf16-true") == "bf16-true"
+
+
+# ---- CPU bf16 attention -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [17, 65, 197])  # below and above vit.CPU_BF16_MATH_MAX_TOKENS
+@pytest.mark.parametrize("lsa", [False, True])
+def test_cpu_bf16_attention_matches_the_formula(tokens: int, lsa: bool) -> None:
+    """Under bf16 autocast (short sequences take torch's math kernel on the CPU, long ones the fused one) the
+    attention output and its input gradient match softmax(q k^T / sqrt(d)) v written out in float64."""
+    from vitlab.models.vit import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(dim=64, num_heads=4, lsa=lsa).eval()
+    x = torch.randn(3, tokens, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attn(x)
+    (grad,) = torch.autograd.grad(out.float().pow(2).sum(), x)
+
+    x64 = x.detach().double().requires_grad_(True)
+    q, k, v = attn.qkv.double()(x64).reshape(3, tokens, 3, 4, 16).permute(2, 0, 3, 1, 4)
+    scale = attn.log_scale.double().exp() if lsa else 16**-0.5
+    logits = (q * scale) @ k.transpose(-2, -1)
+    if lsa:  # locality self-attention: a token does not attend to itself
+        logits = logits.masked_fill(torch.eye(tokens, dtype=torch.bool), float("-inf"))
+    ref = attn.proj.double()((logits.softmax(-1) @ v).transpose(1, 2).reshape(3, tokens, 64))
+    (ref_grad,) = torch.autograd.grad(ref.pow(2).sum(), x64)
+    attn.float()
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() <= 0.02 * ref.abs().max()  # bf16: an 8-bit mantissa
+    assert (grad.double() - ref_grad).norm() <= 0.03 * ref_grad.norm()

@@ -10,6 +10,7 @@ locality self-attention (arXiv 2112.13492), sequence pooling (CCT) and DeiT's di
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any, Literal
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
@@ -28,6 +30,21 @@ from vitlab.models.tokenizers import make_tokenizer, token_grid
 log = logging.getLogger("vitlab")
 
 Pool = Literal["token", "avg", "seq"]
+
+# On the CPU, torch's fused bf16 attention kernel is several times slower than its unfused math path on
+# short sequences (17 tokens: 18 ms against 4 ms forward + backward, batch 128, 3 heads) and faster on
+# long ones; the crossover lies between 145 and 197 tokens on an avx512_bf16 EPYC (bench/README.md).
+CPU_BF16_MATH_MAX_TOKENS = 160
+
+
+def _attention_kernel(q: torch.Tensor, num_keys: int) -> contextlib.AbstractContextManager:
+    """The SDPA backend for these queries: the math path for short bf16 sequences on the CPU, else torch's choice."""
+    if (
+        q.device.type == "cpu" and q.dtype == torch.bfloat16 and num_keys <= CPU_BF16_MATH_MAX_TOKENS
+        and not torch.compiler.is_compiling()  # inductor lowers attention itself
+    ):  # fmt: skip
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 PosEmbed = Literal["learn", "sincos"]
 Stem = Literal["patch", "conv", "spt", "resnet"]
 
@@ -93,9 +110,10 @@ class Attention(nn.Module):
             attn = logits.softmax(dim=-1)
             out = F.dropout(attn, self.attn_drop, self.training) @ v
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0, scale=scale
-            )
+            with _attention_kernel(q, k.shape[-2]):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0, scale=scale
+                )
         out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
         return out, attn
 
