@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ANCHOR = ROOT / "recipes/pretrain/cifar10_anchor_cpu.yaml"
 RECIPE = ROOT / "recipes/pretrain/cifar10_vit_tiny_cpu.yaml"
 # A 5-batch throughput window, so that the short calibration epochs report a rate.
-PERF = '--trainer.callbacks+={"class_path": "vitlab.train.callbacks.PerfMonitor", "init_args": {"window": 5}}'
+PERF = '--trainer.callbacks+={"class_path": "vitlab.train.run.callbacks.PerfMonitor", "init_args": {"window": 5}}'
 
 
 @dataclass

@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 from vitlab.data import ShardDataModule  # noqa: E402
 from vitlab.train import ViTClassifier  # noqa: E402
-from vitlab.train.distill import DistillClassifier  # noqa: E402
-from vitlab.train.module import _unpack  # noqa: E402
+from vitlab.train.objectives.distill import DistillClassifier  # noqa: E402
+from vitlab.train.objectives.classifier import _unpack  # noqa: E402
 
 RECIPE = ROOT / "recipes/finetune/imagenette_deit_distill_cpu.yaml"
 

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import median, spread  # noqa: E402
 from vitlab.train import PerfMonitor, ViTClassifier  # noqa: E402
-from vitlab.train.optim import build_optimizer  # noqa: E402
-from vitlab.train.schedule import build_scheduler  # noqa: E402
+from vitlab.train.objectives.optim import build_optimizer  # noqa: E402
+from vitlab.train.objectives.schedule import build_scheduler  # noqa: E402
 
 MODEL = dict(arch="vit_tiny_patch16", model_args=dict(patch_size=4, depth=6, mlp_ratio=2.0), img_size=32,
              num_classes=10, lr=5e-4, weight_decay=0.05, label_smoothing=0.1)  # fmt: skip

@@ -4,7 +4,7 @@ For each recipe's model (the pretraining recipe at 32 px, the fine-tune recipe a
 size): training images/s of the module's own step (forward, loss, backward, clipping at the recipe's
 norm, fused AdamW step) in float32 and under bf16 autocast, eager and (with --compile) with the model
 compiled, and the bf16/fp32 ratio. Random images: the data path is timed elsewhere (bench_data.py).
-bf16 is fast only on CPUs with avx512_bf16 or AMX (`vitlab.train.run_defaults.cpu_has_fast_bf16`).
+bf16 is fast only on CPUs with avx512_bf16 or AMX (`vitlab.train.run.defaults.cpu_has_fast_bf16`).
 
     python bench/bench_precision.py --threads 2 --repeats 3
 """
@@ -28,8 +28,8 @@ sys.path[:0] = [str(REPO / "bench"), str(REPO)]  # the tree this script sits in 
 from common import environment  # noqa: E402
 
 from vitlab.train import ViTClassifier  # noqa: E402
-from vitlab.train.optim import build_optimizer  # noqa: E402
-from vitlab.train.run_defaults import cpu_has_fast_bf16  # noqa: E402
+from vitlab.train.objectives.optim import build_optimizer  # noqa: E402
+from vitlab.train.run.defaults import cpu_has_fast_bf16  # noqa: E402
 
 RECIPES = {  # recipe, number of classes of its data
     "pretrain_tinyimagenet_32px": ("recipes/pretrain/tinyimagenet_vit_cpu.yaml", 200),

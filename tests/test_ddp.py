@@ -141,7 +141,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     callbacks = [
         {"class_path": "cli_probe.RecordRankData", "init_args": {"out_dir": str(probe)}},
         {"class_path": "test_ddp.CountEvalBatches", "init_args": {"out_dir": str(probe)}},
-        {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 8}},
+        {"class_path": "vitlab.train.run.figures.ValidationFigures", "init_args": {"num_images": 8}},
     ]
     recipe = write_recipe(tmp / "recipe.yaml", data, callbacks)
     run, cwd = tmp / "run", tmp / "cwd"
@@ -343,7 +343,7 @@ def signal_ddp_job(tmp_path: Path, stall_s: float, signal_timeout_s: float) -> t
     marker = tmp_path / "stalled"
     callbacks = [
         {"class_path": "test_ddp.StallAndSay", "init_args": {"marker": str(marker), "seconds": stall_s}},
-        {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint",
+        {"class_path": "vitlab.train.reliability.last_checkpoint.LastCheckpoint",
          "init_args": {"signal_timeout_s": signal_timeout_s}},
     ]  # fmt: skip
     recipe = write_recipe(tmp_path / "recipe.yaml", data, callbacks)

@@ -459,7 +459,7 @@ def test_fit_from_a_hub_name_swaps_the_head_resamples_and_records_the_revision(h
 
 
 def test_distillation_teacher_by_hub_name_is_read_from_the_cache_and_pinned(hub: Path, tmp_path: Path) -> None:
-    from vitlab.train.distill import DistillClassifier
+    from vitlab.train.objectives.distill import DistillClassifier
 
     peer = timm_repo(hub, tmp_path)
     student_args = {"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8, "distilled": True}

@@ -21,7 +21,7 @@ from vitlab import load_pretrained
 from vitlab.cli import VitlabCLI, check_recipe, main
 from vitlab.data import ImageFolderDataModule, ShardDataModule
 from vitlab.train import MaskedPatchPretraining, ViTClassifier
-from vitlab.train.mpp import (
+from vitlab.train.objectives.mpp import (
     CLEAN,
     KEPT,
     MASKED,

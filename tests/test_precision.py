@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from cli_probe import csv_rows
 from helpers import subset_tree
 from vitlab.cli import main
-from vitlab.train import ViTClassifier, run_defaults
+from vitlab.train import ViTClassifier
+from vitlab.train.run import defaults as run_defaults
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,7 @@ def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(
 
     teacher = tmp_path / "teacher.pth"
     torch.save(torchvision.models.get_model("resnet18", weights=None, num_classes=2).state_dict(), teacher)
-    distill = {"class_path": "vitlab.train.distill.DistillClassifier",
+    distill = {"class_path": "vitlab.train.objectives.distill.DistillClassifier",
                "init_args": {"arch": "vit_tiny_patch16", "model_args": {**TINY, "distilled": True}, "lr": 1e-3,
                              "teacher": str(teacher), "teacher_arch": "resnet18"}}  # fmt: skip
     run = _fit(tmp_path, "distill", ft_data, 32, distill, precision)

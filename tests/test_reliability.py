@@ -29,10 +29,10 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from vitlab.data import ImageFolderDataModule
-from vitlab.train.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
-from vitlab.train.guards import NonFiniteLossError, RunDirError
-from vitlab.train.lightning_internals import TESTED_LIGHTNING, check_lightning_version
-from vitlab.train.redaction import REDACTED, redact, secret_values
+from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
+from vitlab.train.reliability.guards import NonFiniteLossError, RunDirError
+from vitlab.train.reliability.lightning_internals import TESTED_LIGHTNING, check_lightning_version
+from vitlab.train.reliability.redaction import REDACTED, redact, secret_values
 
 TESTS = Path(__file__).resolve().parent
 MODEL = {
@@ -88,7 +88,7 @@ def write_config(
         "accelerator": "cpu", "devices": 1, "max_epochs": epochs, "deterministic": deterministic,
         "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1,
         "callbacks": callbacks if callbacks is not None else [
-            {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint",
+            {"class_path": "vitlab.train.reliability.last_checkpoint.LastCheckpoint",
              "init_args": {"every_n_train_steps": SAVE_EVERY}}
         ],
     }  # fmt: skip
@@ -338,10 +338,10 @@ def _poison(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> dict[str, Any]:
 
 
 def _nan_config(tmp_path: Path, data: Path, guard: dict | None) -> Path:
-    last = {"class_path": "vitlab.train.last_checkpoint.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}
+    last = {"class_path": "vitlab.train.reliability.last_checkpoint.LastCheckpoint", "init_args": {"every_n_train_steps": 2}}
     callbacks: list = [last]
     if guard is not None:
-        callbacks.append({"class_path": "vitlab.train.guards.NonFiniteGuard", "init_args": guard})
+        callbacks.append({"class_path": "vitlab.train.reliability.guards.NonFiniteGuard", "init_args": guard})
     return write_config(tmp_path / "config.yaml", data, epochs=1, callbacks=callbacks,
                         deterministic=False)  # fmt: skip
 

@@ -43,7 +43,7 @@ def write_config(path: Path, root: Path, num_workers: int) -> Path:
         "trainer": {
             "accelerator": "cpu", "max_epochs": EPOCHS, "deterministic": True, "enable_progress_bar": False,
             "enable_model_summary": False, "log_every_n_steps": 1, "num_sanity_val_steps": 0,
-            "callbacks": [{"class_path": "vitlab.train.last_checkpoint.LastCheckpoint",
+            "callbacks": [{"class_path": "vitlab.train.reliability.last_checkpoint.LastCheckpoint",
                            "init_args": {"every_n_train_steps": SAVE_EVERY}}],
         },
         "model": {"arch": "vit_tiny_patch16", "lr": 1e-3, "warmup_steps": 0,

@@ -16,8 +16,8 @@ import yaml
 
 from cli_probe import run_cli
 from vitlab.train import MaskedPatchPretraining, ViTClassifier
-from vitlab.train.distill import DistillClassifier
-from vitlab.train.redaction import REDACTED, redact, secret_values
+from vitlab.train.objectives.distill import DistillClassifier
+from vitlab.train.reliability.redaction import REDACTED, redact, secret_values
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_mpp_loads_from_its_last_checkpoint(image_folder: Path, tmp_path: Path) 
 def test_distilled_student_loads_from_its_last_checkpoint(runs: dict[str, Any], tmp_path: Path) -> None:
     teacher = runs["run"] / "checkpoints" / "last.ckpt"  # the classifier run above, same classes
     student = {k: v for k, v in MODEL_ARGS.items() if k not in ("class_token", "pool")}
-    model = {"class_path": "vitlab.train.distill.DistillClassifier",
+    model = {"class_path": "vitlab.train.objectives.distill.DistillClassifier",
              "init_args": {"arch": "deit_tiny_distilled_patch16", "model_args": student, "teacher": str(teacher),
                            "distillation": "soft", "distill_tau": 2.0}}  # fmt: skip
     recipe = write_recipe(tmp_path / "distill.yaml", runs["data"], model)

@@ -35,9 +35,9 @@ from vitlab.cli import main
 from vitlab.data import ImageFolderDataModule
 from vitlab.models import create_model
 from vitlab.train import EMA, ViTClassifier, flops_per_image
-from vitlab.train import figures as figures_module
-from vitlab.train.figures import ValidationFigures, last_layer_attention
-from vitlab.train.run_defaults import WANDB_ID_KEY
+from vitlab.train.run import figures as figures_module
+from vitlab.train.run.figures import ValidationFigures, last_layer_attention
+from vitlab.train.run.defaults import WANDB_ID_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
@@ -48,8 +48,8 @@ SCALARS = {"train/loss", "val/acc1", "val/loss", "lr", "train/samples_seen", "pe
 IMAGES = {"val/predictions", "val/attention", "val/confusion_matrix"}
 CALLBACKS = [
     {"class_path": "vitlab.train.PerfMonitor", "init_args": {"window": 2}},  # 3 steps an epoch
-    {"class_path": "vitlab.train.figures.ValidationFigures", "init_args": {"num_images": 6}},
-    {"class_path": "vitlab.train.figures.FinetuneSource"},
+    {"class_path": "vitlab.train.run.figures.ValidationFigures", "init_args": {"num_images": 6}},
+    {"class_path": "vitlab.train.run.figures.FinetuneSource"},
 ]
 
 

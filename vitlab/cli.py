@@ -30,7 +30,7 @@ from vitlab.data.unlabelled import NO_LABELS_FIX
 from vitlab.interop.export import FORMATS
 from vitlab.models import VisionTransformer
 from vitlab.train import ViTClassifier
-from vitlab.train.run_defaults import checkpoint_dir
+from vitlab.train.run.defaults import checkpoint_dir
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
 TOOLS = ("predict", "explain", "inspect", "export")
@@ -137,8 +137,8 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        from vitlab.train.callbacks import image_flops_summary
-        from vitlab.train.run_defaults import cpu_precision, run_callbacks, run_loggers, run_plugins
+        from vitlab.train.run.callbacks import image_flops_summary
+        from vitlab.train.run.defaults import cpu_precision, run_callbacks, run_loggers, run_plugins
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
@@ -148,7 +148,7 @@ class VitlabCLI(LightningCLI):
         existing = trainer_cfg.get("callbacks") or []
         existing = existing if isinstance(existing, list) else [existing]
         every_n = self._get(self.config, "checkpoint_every_n_steps")
-        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing, every_n)]
+        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing, every_n, self.model)]
         plugins = trainer_cfg.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         kwargs["plugins"] = [*plugins, *run_plugins(plugins)]

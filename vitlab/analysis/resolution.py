@@ -128,7 +128,7 @@ class _Scorer(L.LightningModule):
         self.images = 0
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        from vitlab.train.module import _unpack
+        from vitlab.train.objectives.classifier import _unpack
 
         x, y = _unpack(batch)
         logits = self.model(x)

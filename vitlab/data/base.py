@@ -154,7 +154,7 @@ class ImageDataModule(L.LightningDataModule):
         self.eval_equal_batches = eval_equal_batches
         self._num_classes_arg = num_classes
         # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
-        # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.img_size_schedule).
+        # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.run.img_size_schedule).
         self._train_size = torch.tensor(img_size, dtype=torch.int64).share_memory_()
         self._class_names: list[str] | None = None
         self._class_where = ""  # where the names came from, for error messages

@@ -17,14 +17,15 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vitlab.train.callbacks import PerfMonitor
-from vitlab.train.checkpoint_io import AtomicCheckpointIO
-from vitlab.train.figures import FinetuneSource, ValidationFigures
-from vitlab.train.guards import NonFiniteGuard, RunDirCheck, check_run_dir
-from vitlab.train.img_size_schedule import ImgSizeSchedule
-from vitlab.train.last_checkpoint import LastCheckpoint
-from vitlab.train.redaction import RedactSecrets, keep_argv_out_of_trackers
-from vitlab.train.resume import ExactResume
+from vitlab.train.objectives.mpp import MaskedPatchPretraining
+from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO
+from vitlab.train.reliability.guards import NonFiniteGuard, RunDirCheck, check_run_dir
+from vitlab.train.reliability.last_checkpoint import LastCheckpoint
+from vitlab.train.reliability.redaction import RedactSecrets, keep_argv_out_of_trackers
+from vitlab.train.reliability.resume import ExactResume
+from vitlab.train.run.callbacks import PerfMonitor
+from vitlab.train.run.figures import FinetuneSource, MaskedPatchFigures, ValidationFigures
+from vitlab.train.run.img_size_schedule import ImgSizeSchedule
 
 log = logging.getLogger("vitlab")
 
@@ -111,14 +112,16 @@ class EndRanksOnFailure(Callback):
 
 
 def run_callbacks(
-    run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None
-) -> list[Callback]:
+    run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None,
+    model: LightningModule | None = None,
+) -> list[Callback]:  # fmt: skip
     """Callbacks every run needs that the recipe did not already configure.
 
     The best checkpoint (by val/acc1) and `LastCheckpoint`, the single writer of last.ckpt (after every
     validation, every `every_n_train_steps` steps when given, and on SIGTERM/SIGUSR1), both in
     `<run_dir>/checkpoints`; the non-finite loss guard, RNG-state checkpointing for exact resume,
-    secret redaction and the run-folder/disk-space check. Fails now if `run_dir` is not writable.
+    secret redaction, the validation figures of `model`'s objective and the run-folder/disk-space check.
+    Fails now if `run_dir` is not writable.
     """
     check_run_dir(run_dir)  # before any logger or callback writes into it
     keep_argv_out_of_trackers()  # before wandb starts and records the command line
@@ -139,11 +142,12 @@ def run_callbacks(
     elif every_n_train_steps and not has(LastCheckpoint):
         log.warning(
             "the recipe's ModelCheckpoint writes last.ckpt, so checkpoint_every_n_steps=%d is not applied; "
-            "use vitlab.train.last_checkpoint.LastCheckpoint(every_n_train_steps=...) in its place",
+            "use vitlab.train.reliability.last_checkpoint.LastCheckpoint(every_n_train_steps=...) in its place",
             every_n_train_steps,
         )
-    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, ValidationFigures, FinetuneSource,
-                 ImgSizeSchedule):  # fmt: skip
+    # Masked patch prediction draws its corrupted and predicted patches; a prediction grid means nothing there.
+    figures = MaskedPatchFigures if isinstance(model, MaskedPatchPretraining) else ValidationFigures
+    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, figures, FinetuneSource, ImgSizeSchedule):
         if not has(kind):
             extra.append(kind())
     if not has(RunDirCheck):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from vitlab.data.random_state import get_rng_state, set_rng_state
-from vitlab.train.lightning_internals import (
+from vitlab.train.reliability.lightning_internals import (
     check_lightning_version,
     pop_loader_states,
     restore_train_loaders,

@@ -23,8 +23,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.optim import build_optimizer, clip_gradients, fused_allowed
-from vitlab.train.schedule import lightning_schedule
+from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed
+from vitlab.train.objectives.schedule import lightning_schedule
 
 _COMPILE_PREFIX = "_orig_mod."
 
@@ -136,7 +136,7 @@ class ViTClassifier(L.LightningModule):
     (resampled position embeddings, new zero-initialised head); it is not a resume.
     """
 
-    # Read by `vitlab.train.callbacks.EMA`: no `configure_model` call is needed to see all layers.
+    # Read by `vitlab.train.run.callbacks.EMA`: no `configure_model` call is needed to see all layers.
     builds_model_in_init = True
 
     def __init__(

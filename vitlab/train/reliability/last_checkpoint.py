@@ -17,14 +17,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from vitlab.train.checkpoint_io import remove_stale_temp_files, use_atomic_io
-from vitlab.train.lightning_internals import (
+from vitlab.train.reliability.checkpoint_io import remove_stale_temp_files, use_atomic_io
+from vitlab.train.reliability.lightning_internals import (
     end_launched_ranks,
     forward_signal_to_launched_ranks,
     mark_sigterm,
     replace_sigterm_notifier,
 )
-from vitlab.train.watchdog import SignalWatchdog
+from vitlab.train.reliability.watchdog import SignalWatchdog
 
 log = logging.getLogger("vitlab")
 

@@ -18,8 +18,8 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, WeightAveraging
 
-from vitlab.train.last_checkpoint import LastCheckpoint
-from vitlab.train.optim import grad_norm, set_found_inf
+from vitlab.train.reliability.last_checkpoint import LastCheckpoint
+from vitlab.train.grad_step import grad_norm, set_found_inf
 
 log = logging.getLogger("vitlab")
 
@@ -42,7 +42,7 @@ class NonFiniteGuard(Callback):
     global step and advances the LR schedule.
 
     No host-device synchronisation per step, for fused optimizers (vitlab's default) without a
-    GradScaler: the check (the loss, and the gradient norm clipping also uses, `optim.grad_norm`) runs
+    GradScaler: the check (the loss, and the gradient norm clipping also uses, `grad_step.grad_norm`) runs
     on the device and hands the optimizer a `found_inf` flag, the input a GradScaler gives fused
     optimizers, so a bad step is skipped on the device. After a stop the flag stays set, so no later
     step reaches the weights either. The host reads the outcome (one sync) every `check_every_n_steps`

@@ -28,7 +28,7 @@ def check_lightning_version(version: str | None = None) -> None:
         raise RuntimeError(
             f"vitlab's exact resume and signal handling use Lightning internals tested on Lightning "
             f"{TESTED_LIGHTNING}.x, but Lightning {version} is installed. Install a tested release "
-            f"(pip install 'lightning~={TESTED_LIGHTNING}.0'), or check vitlab/train/lightning_internals.py "
+            f"(pip install 'lightning~={TESTED_LIGHTNING}.0'), or check vitlab/train/reliability/lightning_internals.py "
             "against this version and update TESTED_LIGHTNING."
         )
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vitlab.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from vitlab.train.module import ViTClassifier
+from vitlab.train.objectives.classifier import ViTClassifier
 
 Distillation = Literal["hard", "soft"]
 KLReduction = Literal["batchmean", "deit"]

@@ -23,26 +23,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 from torchmetrics import MeanMetric
 
-from vitlab.analysis.plots import new_figure
 from vitlab.models import VisionTransformer, create_model
-from vitlab.train.figures import ValidationFigures, denormalize
-from vitlab.train.module import log_training_step
-from vitlab.train.optim import clip_gradients, fused_allowed, kernel_kwargs, param_groups
-from vitlab.train.schedule import lightning_schedule
+from vitlab.train.objectives.classifier import log_training_step
+from vitlab.train.objectives.optim import clip_gradients, fused_allowed, kernel_kwargs, param_groups
+from vitlab.train.objectives.schedule import lightning_schedule
 
 Target = Literal["color", "pixels"]
 
 # What happened to each patch embedding (`Corruption.kind`).
 CLEAN, MASKED, RANDOM, KEPT = 0, 1, 2, 3
-MPP_FIGURE_TAG = "val/masked_patches"
-_MASK_GREY = 0.5  # how a [mask]-replaced patch is drawn
 
 
 # ---- targets ---------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ class MaskedPatchPretraining(L.LightningModule):
     checkpoint is chosen by.
     """
 
-    builds_model_in_init = True  # read by `vitlab.train.callbacks.EMA`
+    builds_model_in_init = True  # read by `vitlab.train.run.callbacks.EMA`
     uses_labels = False  # read by the CLI: labelled and unlabelled data both do
 
     def __init__(
@@ -339,10 +334,6 @@ class MaskedPatchPretraining(L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step(batch, batch_idx, "test")
 
-    def configure_callbacks(self) -> list[L.Callback]:
-        # Replaces the classifier figures (a prediction grid means nothing here) with this objective's own.
-        return [MaskedPatchFigures()]
-
     # ---- optimisation -------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -370,80 +361,3 @@ class MaskedPatchPretraining(L.LightningModule):
             "model_config": _plain(self.model.config),
             "data_config": _plain(self.model.data_config),
         }
-
-
-# ---- the validation figure ---------------------------------------------------------------------------
-
-
-def _outline(ax: Any, cells: np.ndarray, grid: tuple[int, int], patch: int, color: str) -> None:
-    from matplotlib.patches import Rectangle
-
-    for n in np.flatnonzero(cells):
-        r, col = divmod(int(n), grid[1])
-        ax.add_patch(Rectangle((col * patch - 0.5, r * patch - 0.5), patch, patch, fill=False, lw=0.8, ec=color))
-
-
-def plot_masked_patches(
-    images: np.ndarray, corrupted: np.ndarray, predicted: np.ndarray, kind: np.ndarray, grid: tuple[int, int],
-    patch: int, predicted_title: str,
-) -> Any:  # fmt: skip
-    """Three rows: the images, their corrupted patches (grey: [mask]; outlined: all corrupted, red where
-    kept or replaced by another patch) and the images with the corrupted patches predicted."""
-    n = len(images)
-    fig = new_figure((1.25 * n + 0.2, 4.3), dpi=100)
-    axes = np.atleast_2d(fig.subplots(3, n, squeeze=False))
-    rows = [(images, "images"), (corrupted, "corrupted patches"), (predicted, predicted_title)]
-    for r, (row, title) in enumerate(rows):
-        for i in range(n):
-            ax = axes[r, i]
-            ax.set_axis_off()
-            ax.imshow(row[i], interpolation="nearest")
-            if r == 1:
-                _outline(ax, kind[i] == MASKED, grid, patch, "white")
-                _outline(ax, (kind[i] == RANDOM) | (kind[i] == KEPT), grid, patch, "red")
-            if i == 0:
-                ax.set_title(title, fontsize=8, loc="left")
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93, wspace=0.05, hspace=0.2)
-    return fig
-
-
-class MaskedPatchFigures(ValidationFigures):
-    """At each validation, fixed validation images beside their corrupted patches and the predicted
-    mean colours (or pixels) filled into them (`val/masked_patches`, and figures/masked_patches.png).
-    Same capture, cadence and loggers as `ValidationFigures`; no confusion matrix (there are no classes)."""
-
-    def __init__(self, num_images: int = 8, every_n_epochs: int = 1, save_png: bool = True) -> None:
-        super().__init__(num_images, every_n_epochs, confusion_matrix=False, save_png=save_png)
-
-    @torch.no_grad()
-    def _draw_samples(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not isinstance(pl_module, MaskedPatchPretraining):
-            raise TypeError(f"MaskedPatchFigures needs a MaskedPatchPretraining module, got {type(pl_module).__name__}")
-        param = next(pl_module.parameters())
-        x = self.images.to(param.device, dtype=param.dtype)
-        generator = torch.Generator(device=x.device).manual_seed(0)  # the same corruption every time
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with trainer.precision_plugin.forward_context():
-                out, c = pl_module(x, generator)
-        finally:
-            pl_module.train(was_training)
-        p, grid = pl_module.patch_size, pl_module.model.patch_embed.grid_size
-        pixels = pl_module._unnormalize(x)
-        patches = patchify(pixels, p)
-        chosen = (c.kind != CLEAN)[..., None]
-        # Corrupted view: what each position holds now ([mask] drawn grey, another patch's pixels).
-        held = patches.flatten(0, 1)[c.source.flatten()].view_as(patches)
-        held = torch.where((c.kind == MASKED)[..., None], torch.full_like(held, _MASK_GREY), held)
-        if pl_module.hparams.target == "color":
-            colors = color_of_ids(out.argmax(dim=-1), pl_module.hparams.color_bits)  # [B, N, 3]
-            guess = colors.repeat(1, 1, p * p)  # (p1 p2 c) order: the colour repeated per pixel
-            title = "predicted mean colours"
-        else:
-            guess = patchify(pl_module._unnormalize(unpatchify(out.float(), p, grid)), p)
-            title = "predicted pixels"
-        filled = torch.where(chosen, guess, patches)
-        to_rgb = lambda t: denormalize(unpatchify(t, p, grid), {"mean": (0, 0, 0), "std": (1, 1, 1)})  # noqa: E731
-        fig = plot_masked_patches(to_rgb(patches), to_rgb(held), to_rgb(filled), c.kind.cpu().numpy(), grid, p, title)
-        self._emit(trainer, MPP_FIGURE_TAG, fig, trainer.global_step)

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_fil
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from vitlab.train.redaction import redact, secret_values
+from vitlab.train.reliability.redaction import redact, secret_values
 
 TMP_SUFFIX = ".tmp"
 
