@@ -46,6 +46,9 @@ THROUGHPUT = {"train/device/samples_per_sec", "train/device/flops_per_sec"}
 SCALARS = {"train/loss", "val/acc1", "val/loss", "lr", "train/samples_seen", "perf/epoch_time_s",
            "perf/peak_mem_mb"} | THROUGHPUT  # fmt: skip
 IMAGES = {"val/predictions", "val/attention", "val/confusion_matrix"}
+# TensorBoard keeps loss and accuracy under their names and shows every other scalar under `vitals/`.
+HEADLINE = {"train/loss", "train/acc1", "val/loss", "val/acc1"}
+TB_SCALARS = HEADLINE | {f"vitals/{key}" for key in SCALARS - HEADLINE}
 CALLBACKS = [
     {"class_path": "vitlab.train.PerfMonitor", "init_args": {"window": 2}},  # 3 steps an epoch
     {"class_path": "vitlab.train.run.figures.ValidationFigures", "init_args": {"num_images": 6}},
@@ -157,11 +160,12 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_tensorboard_holds_scalars_and_figures(tracked: dict[str, Any]) -> None:
     acc = tensorboard_events(tracked["run"] / "tensorboard")
     tags = acc.Tags()
-    assert SCALARS <= set(tags["scalars"]), SCALARS - set(tags["scalars"])
+    assert TB_SCALARS <= set(tags["scalars"]), TB_SCALARS - set(tags["scalars"])
     assert IMAGES <= set(tags["images"]), IMAGES - set(tags["images"])
+    assert not {"epoch", "lr"} & set(tags["scalars"])  # no epoch staircase; the learning rate is vitals/lr
     assert "hp_metric" not in tags["scalars"]  # no -1 placeholder in the dashboard
     assert "val/acc5" not in tags["scalars"]  # 3 classes: top-5 would always be 100%
-    assert "train/device/mfu" not in tags["scalars"]  # a CPU has no known peak FLOPs
+    assert "vitals/train/device/mfu" not in tags["scalars"]  # a CPU has no known peak FLOPs
     for tag in IMAGES:
         img = acc.Images(tag)[-1]
         assert img.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and img.width >= 200 and img.height >= 200
@@ -173,7 +177,8 @@ def test_tensorboard_holds_scalars_and_figures(tracked: dict[str, Any]) -> None:
 
 def test_csv_has_the_metric_columns(tracked: dict[str, Any]) -> None:
     rows = csv_rows(tracked["run"])
-    assert SCALARS <= set(rows[0]), SCALARS - set(rows[0])
+    columns = SCALARS | {"epoch"}  # Lightning's names and its epoch column: the TensorBoard layout is not here
+    assert columns <= set(rows[0]), columns - set(rows[0])
     assert [float(r["val/acc1"]) for r in rows if r.get("val/acc1")]
     # FLOPs/s is FLOPs per image times images/s: both from the same window of batches
     (flops,) = {flops_per_image(create_model("vit_tiny_patch16", **TINY, img_size=32, num_classes=3))["train"]}
@@ -191,6 +196,51 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _compare_tags(a: str, b: str) -> int:
+    """TensorBoard's `compareTagNames` (webapp/metrics/utils.ts), numbers read as digit runs (it also
+    reads decimals and exponents; the tags here have none): digit runs compare as numbers, `/` and
+    digits sort before every other character, other characters by code point, a prefix first."""
+    digits, i, j = "0123456789", 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] in digits and b[j] in digits:
+            m, n = i, j
+            while m < len(a) and a[m] in digits:
+                m += 1
+            while n < len(b) and b[n] in digits:
+                n += 1
+            if int(a[i:m]) != int(b[j:n]):
+                return -1 if int(a[i:m]) < int(b[j:n]) else 1
+            i, j = m, n
+            continue
+        a_break, b_break = a[i] in "/" + digits, b[j] in "/" + digits
+        if a_break != b_break:
+            return -1 if a_break else 1
+        if not a_break and a[i] != b[j]:
+            return -1 if a[i] < b[j] else 1
+        i, j = i + 1, j + 1
+    return (i < len(a)) - (j < len(b))
+
+
+def time_series_groups(tags: list[str]) -> dict[str, list[str]]:
+    """The card groups of TensorBoard's Time Series tab, in the order shown (`groupCardIdWithMetdata`):
+    the cards sorted by tag, grouped by the tag's first segment. On first load the tab expands the first
+    two groups and collapses the rest (metrics_reducers.ts: `cardGroups.slice(0, 2)`)."""
+    from functools import cmp_to_key
+
+    groups: dict[str, list[str]] = {}
+    for tag in sorted(tags, key=cmp_to_key(_compare_tags)):
+        groups.setdefault(tag.split("/", 1)[0], []).append(tag)
+    return groups
+
+
+def test_time_series_order_follows_tensorboard() -> None:
+    """The port of TensorBoard's order on its own documented cases (a10b after a2b; a/a before a+/a)."""
+    assert _compare_tags("a2b", "a10b") == -1 and _compare_tags("a/a", "a+/a") == -1
+    groups = time_series_groups(["vitals/lr", "val/acc5", "train/loss", "val/acc10", "validate/time", "epoch"])
+    assert list(groups) == ["epoch", "train", "val", "validate", "vitals"]
+    assert groups["val"] == ["val/acc5", "val/acc10"]
+
+
 def _get_json(url: str, deadline: float) -> Any:
     while True:
         try:
@@ -204,7 +254,8 @@ def _get_json(url: str, deadline: float) -> Any:
 
 def test_make_dashboard_serves_the_run(tracked: dict[str, Any]) -> None:
     """`make dashboard` on a free port: TensorBoard's HTTP data API answers with the run's scalar and
-    image tags and values; the server is stopped at the end."""
+    image tags and values, and the tab it opens on (Time Series) expands the train and val groups,
+    which hold loss, accuracy and the validation figures; the server is stopped at the end."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     venv = Path(sys.executable).parent.parent
@@ -220,14 +271,23 @@ def test_make_dashboard_serves_the_run(tracked: dict[str, Any]) -> None:
         images = _get_json(f"{base}/images/tags", time.monotonic() + 30)
         query = urllib.parse.urlencode({"run": "tensorboard", "tag": "val/acc1"})
         acc1 = _get_json(f"{base}/scalars/scalars?{query}", time.monotonic() + 30)
+        plugins = _get_json(f"http://127.0.0.1:{port}/data/plugins_listing", time.monotonic() + 30)
+        cards = _get_json(f"{base}/timeseries/tags", time.monotonic() + 30)
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the session we started: make and its TensorBoard
         server.wait(timeout=30)
-    assert {"train/loss", "val/acc1", "lr", "train/device/samples_per_sec"} <= set(scalars["tensorboard"]), scalars
+    assert {"train/loss", "val/acc1", "vitals/lr", "vitals/train/device/samples_per_sec"} <= set(scalars["tensorboard"])
     assert IMAGES <= set(images["tensorboard"]), images
     assert len(acc1) == 2  # one validation before the resume, one after
     csv_acc1 = [float(r["val/acc1"]) for r in csv_rows(tracked["run"]) if r.get("val/acc1")]
     assert acc1[-1][2] == pytest.approx(csv_acc1[-1])  # [wall time, step, value]
+    # The frontend opens on the first enabled dashboard; Time Series shows scalar and image cards.
+    assert next(name for name, plugin in plugins.items() if plugin["enabled"]) == "timeseries"
+    groups = time_series_groups([*cards["scalars"]["runTagInfo"]["tensorboard"], *cards["images"]["tagRunSampledInfo"]])
+    first, second, *collapsed = groups.items()
+    assert first == ("train", ["train/acc1", "train/acc1_epoch", "train/loss", "train/loss_epoch"])
+    assert second == ("val", ["val/acc1", "val/attention", "val/confusion_matrix", "val/loss", "val/predictions"])
+    assert [name for name, _ in collapsed] == ["vitals"] and "vitals/lr" in groups["vitals"]
 
 
 def test_offline_wandb_run_has_the_same_keys(tracked: dict[str, Any]) -> None:

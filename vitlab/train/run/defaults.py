@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,26 @@ def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
     )  # fmt: skip
 
 
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a logged scalar: loss and accuracy keep their names (`train/loss`,
+    `val/acc1`, `train/loss_epoch`, `train/loss_distill`, ...); every other scalar (learning rate,
+    throughput, samples seen, epoch time, memory) goes under `vitals/`, which sorts after `train`,
+    `test` and `val`: `lr` -> `vitals/lr`, `train/device/samples_per_sec` -> `vitals/train/device/...`."""
+    group, _, name = key.partition("/")
+    return key if group in ("train", "val", "test") and name.startswith(("loss", "acc")) else f"vitals/{key}"
+
+
+class HeadlineTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger, its scalars named so that the Time Series tab TensorBoard opens
+    on shows loss and accuracy first. That tab sorts the cards by tag, groups them by the tag's first
+    segment and, on first load, expands the first two groups only: here `train` and `val`, holding
+    loss, accuracy and the validation figures (`tensorboard_tag`). Lightning's `epoch` (added to every
+    row it logs: a staircase over steps) is left out. The CSV and wandb keep Lightning's names."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        super().log_metrics({tensorboard_tag(k): v for k, v in metrics.items() if k != "epoch"}, step)
+
+
 def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None = None) -> list[Logger]:
     """TensorBoard and CSV by default (no account, no network); wandb when asked for."""
     run_dir = Path(run_dir)
@@ -72,7 +92,7 @@ def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None
         if name == "tensorboard":
             # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
             loggers.append(
-                TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+                HeadlineTensorBoardLogger(str(run_dir), name="tensorboard", version="", default_hp_metric=False)
             )
         elif name == "csv":
             loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
