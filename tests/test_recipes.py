@@ -401,9 +401,9 @@ def make_fit_args(target: str, *variables: str) -> list[str]:
 @pytest.mark.parametrize(
     "variables, loggers",
     [
-        ((), ["TensorBoardLogger", "CSVLogger"]),
+        ((), ["HeadlineTensorBoardLogger", "CSVLogger"]),
         (("LOGGER=wandb", "GPUS=2", "NODES=2", "ARGS=--trainer.max_epochs=3"),
-         ["TensorBoardLogger", "CSVLogger", "WandbLogger"]),
+         ["HeadlineTensorBoardLogger", "CSVLogger", "WandbLogger"]),
     ],
 )  # fmt: skip
 def test_make_targets_pass_a_command_line_the_cli_accepts(
