@@ -312,7 +312,7 @@ def test_distill_recipe_trains_through_the_cli(cifar_subset: Path, tmp_path: Pat
           "--trainer.max_epochs=1", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
           "--data.batch_size=8"])  # fmt: skip
     resolved = yaml.safe_load((run / "config.yaml").read_text())
-    assert resolved["model"]["class_path"] == "vitlab.train.objectives.distill.DistillClassifier"
+    assert resolved["model"]["class_path"] == "vitlab.train.DistillClassifier"
     with open(run / "csv" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(r.get("train/loss_distill") for r in rows) and any(r.get("val/acc1") for r in rows)
