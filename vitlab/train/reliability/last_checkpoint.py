@@ -33,9 +33,7 @@ class LastCheckpoint(ModelCheckpoint):
     Saves `<dirpath>/last.ckpt` (default dirpath: `<default_root_dir>/checkpoints`, i.e. the run's
     checkpoint folder) after every `every_n_train_steps` optimizer steps (so a kill loses at most that
     many steps; Lightning's own `every_n_train_steps` trigger), after every validation (or every train
-    epoch without validation) and at the end of training. Stock `ModelCheckpoint(save_last=True)`
-    refreshes last.ckpt only when it saved a top-k file at that step, and at the end only if it never
-    saved; its `save_on_exception` saves after any error, when the state may be what broke.
+    epoch without validation) and at the end of training.
 
     Signals: SIGTERM (and SIGUSR1, SLURM's preemption warning, `#SBATCH --signal=USR1@90`) stop the run
     at the end of a training batch through Lightning's `SIGTERMException` (a `SystemExit`, exit status
@@ -117,6 +115,8 @@ class LastCheckpoint(ModelCheckpoint):
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         every = self.signal_check_every_n_steps or trainer.log_every_n_steps or 1
+        # Lightning 2.6 broadcasts rank 0's flag at each batch start, but a rank also stops on its own flag at
+        # a batch end: ranks signalled in different batches would stop at different batches.
         if trainer.world_size > 1 and trainer.global_step % every == 0:
             # Every rank runs this hook at the same batch: stop together if any rank was signalled.
             flag = torch.tensor(self._signal, device=trainer.strategy.root_device)
@@ -127,6 +127,8 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.received_sigterm:
             self.save_last_now(trainer)
 
+    # Stock ModelCheckpoint refreshes last.ckpt after an epoch or a validation only when it saved a top-k
+    # file at that step, and at the end of training only when it never saved.
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._should_save_on_train_epoch_end(trainer):
             self.save_last_now(trainer)
@@ -139,7 +141,8 @@ class LastCheckpoint(ModelCheckpoint):
         self.save_last_now(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Only a termination signal saves here: after any other error the state may be what broke.
+        # Only a termination signal saves here: after any other error the state may be what broke. Lightning's
+        # `save_on_exception` and `OnExceptionCheckpoint` save after any exception (and not into last.ckpt).
         if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
             self.save_last_now(trainer)  # one process signalled during validation: not saved yet
             if trainer.is_global_zero:
