@@ -160,7 +160,8 @@ def test_slurm_requeue_saves_after_the_stop_not_inside_the_signal_handler(
                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "vitlab-test"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     requeued: list[list[str]] = []
-    monkeypatch.setattr("lightning.pytorch.trainer.connectors.signal_connector.call", lambda cmd: requeued.append(cmd) or 0)
+    requeue = "lightning.pytorch.trainer.connectors.signal_connector.call"  # Lightning's `scontrol requeue`
+    monkeypatch.setattr(requeue, lambda cmd: requeued.append(cmd) or 0)
 
     class SaveOutsideHandlers(Probe):
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:

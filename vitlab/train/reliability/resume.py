@@ -85,8 +85,9 @@ class ExactResume(Callback):
         ranks = state.get("ranks") or [state]
         own = len(ranks) == trainer.world_size
         if state and not own and trainer.is_global_zero:
-            log.warning("resuming on %d ranks a run saved on %d: every rank starts from rank 0's loader and random "
-                        "state (same data order, not the same augmentation)", trainer.world_size, len(ranks))  # fmt: skip
+            log.warning("resuming on %d ranks a run saved on %d: every rank starts from rank 0's loader and "
+                        "random state (same data order, not the same augmentation)", trainer.world_size,
+                        len(ranks))  # fmt: skip
         mine = ranks[trainer.global_rank if own else 0]
         states, generators = mine.get("loaders", fallback) or None, mine.get("generators")
         loaders = _train_loaders(trainer)
@@ -98,7 +99,7 @@ class ExactResume(Callback):
             stateful = [dl for dl in loaders if hasattr(dl, "load_state_dict")]
             if len(stateful) != len(states):
                 raise RuntimeError(f"the checkpoint holds {len(states)} train loader states for {len(stateful)} "
-                                   "stateful train loaders: resume with the data settings it was saved with")  # fmt: skip
+                                   "stateful train loaders: resume with the data settings it was saved with")
             for dl, s in zip(stateful, states):
                 dl.load_state_dict(s)
             restart_fetcher(trainer)
