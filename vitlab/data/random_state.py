@@ -48,7 +48,7 @@ class WorkerRandomState(Dataset):
 def get_rng_state() -> dict[str, Any]:
     """This process's torch / python / numpy (and CUDA) random states, as tensors and plain values
     (loadable with `torch.load(weights_only=True)`)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain_python_state(random.getstate())}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
 
@@ -68,7 +68,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `get_rng_state` returned."""
     torch.set_rng_state(state["torch"])
     if "python" in state:
-        random.setstate(_python_state(state["python"]))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))  # a list in checkpoints of earlier vitlab versions
     if "numpy" in state:
         import numpy as np
 
@@ -77,12 +78,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
-def _plain_python_state(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_state(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

@@ -11,15 +11,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import CombinedLoader
 
 from vitlab.data.random_state import get_rng_state, set_rng_state
-from vitlab.train.reliability.lightning_internals import (
-    check_lightning_version,
-    pop_loader_states,
-    restore_train_loaders,
-    train_loader_states,
-    train_loaders,
-)
+from vitlab.train.reliability.lightning_internals import check_lightning_version, pop_loader_states, restart_fetcher
 
 log = logging.getLogger("vitlab")
 
@@ -35,93 +30,22 @@ class ExactResume(Callback):
       restoring a torchdata StatefulDataLoader rewinds it to the start of the epoch, so every later
       epoch would be shuffled differently from the uninterrupted run.
     - Loader position: the loader state (`loader.state_dict()`, worker streams included) of every rank
-      is stored and applied here, each rank its own (Lightning's checkpoint holds rank 0's only, and
-      drops it when `configure_optimizers` reads `trainer.estimated_stepping_batches`, as ViTClassifier
-      does; lightning#20550); a state taken at the end of an epoch is dropped, because a
-      StatefulDataLoader restored from it yields an empty next epoch.
+      is stored and applied here, each rank its own. Lightning's stateful-loader restore falls short:
+      its checkpoint holds rank 0's state only, and it drops it when `configure_optimizers` reads
+      `trainer.estimated_stepping_batches`, as ViTClassifier does (lightning#20550: `FitLoop.setup_data`
+      then runs before the restore and never again); a state taken at the end of an epoch is dropped
+      here, because a StatefulDataLoader restored from it yields an empty next epoch.
 
-    Saving gathers the ranks' states (one `all_gather_object`, when every rank saves anyway). A
-    resume on a different number of ranks restores rank 0's state on every rank and derives the
+    `state_dict` holds this rank's state and runs no collective; under DDP `on_save_checkpoint`, which
+    every rank runs together inside `trainer.save_checkpoint`, gathers the ranks' states into rank 0's
+    file. A resume on a different number of ranks restores rank 0's state on every rank and derives the
     other ranks' streams from it: the data order is kept, not the exact augmentation.
     """
 
     def __init__(self) -> None:
-        self._rng: dict[str, Any] | None = None
-        self._generators: list[dict[str, Any]] | None = None
-        self._loader_states: list[dict[str, Any]] | None = None
-        self._ranks: list[dict[str, Any]] | None = None
-
-    # ---- saving ----------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        trainer = getattr(self, "_trainer", None)
-        mine = {"rng": get_rng_state(), "generators": self._generator_states(), "loaders": train_loader_states(trainer)}
-        ranks = [mine]
-        if trainer is not None and trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            ranks = [None] * trainer.world_size
-            dist.all_gather_object(ranks, mine)
-        return {"rng": mine["rng"], "generators": mine["generators"], "ranks": ranks}
-
-    def _generator_states(self) -> list[dict[str, Any]]:
-        states = []
-        for dl in self._train_loaders():
-            gen = getattr(dl, "generator", None)
-            sgen = getattr(getattr(dl, "sampler", None), "generator", None)
-            states.append({
-                "loader": gen.get_state() if isinstance(gen, torch.Generator) else None,
-                "sampler": sgen.get_state() if isinstance(sgen, torch.Generator) else None,
-            })  # fmt: skip
-        return states
-
-    # ---- loading ---------------------------------------------------------------------------------
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._rng = state_dict.get("rng")
-        self._generators = state_dict.get("generators")
-        self._ranks = state_dict.get("ranks")
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Runs before Lightning restores its loops: take the loader states out so they are applied
-        # once, here, at the right moment.
-        self._loader_states = pop_loader_states(checkpoint)
-
-    def _own_rank_state(self, trainer: L.Trainer) -> bool:
-        """Switch to this rank's stored state when the checkpoint has one per rank; True when it did."""
-        ranks, self._ranks = self._ranks, None
-        if not ranks:
-            return False
-        if len(ranks) != trainer.world_size:
-            if trainer.is_global_zero:
-                log.warning("resuming on %d ranks a run saved on %d: every rank starts from rank 0's loader and "
-                            "random state (same data order, not the same augmentation)", trainer.world_size,
-                            len(ranks))  # fmt: skip
-            return False
-        own = ranks[trainer.global_rank]
-        self._rng, self._generators, self._loader_states = own["rng"], own["generators"], own["loaders"] or None
-        return True
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        own = self._own_rank_state(trainer)
-        states, self._loader_states = self._loader_states, None
-        generators, self._generators = self._generators, None
-        if states or generators:
-            if states and _epoch_consumed(states, train_loaders(trainer), trainer.num_training_batches):
-                states = None  # saved at the end of an epoch: the next epoch starts fresh
-            # Restoring a loader's state rewinds its generators to the epoch start, so they are put
-            # where the original run had them after the new iterator exists; without a state, before.
-            if states:
-                if restore_train_loaders(trainer, states):
-                    _set_generator_states(train_loaders(trainer), generators)
-            else:
-                _set_generator_states(train_loaders(trainer), generators)
-                restore_train_loaders(trainer, None)
-        # RNG last, and not at load time: sanity-check validation and loader set-up draw from these
-        # streams in a resumed run only; the stored state is the one the next batch saw originally.
-        rng, self._rng = self._rng, None
-        if rng:
-            set_rng_state(rng)
-            if not own:  # rank 0's streams on every rank: make the others' differ again
-                _decorrelate_ranks(trainer)
+        self._trainer: L.Trainer | None = None
+        self._state: dict[str, Any] | None = None  # loaded; applied at the start of training
+        self._lightning_loaders: list[dict[str, Any]] | None = None  # Lightning's copy: rank 0's
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_version()
@@ -129,8 +53,81 @@ class ExactResume(Callback):
         if stage == "fit":
             _decorrelate_ranks(trainer)
 
-    def _train_loaders(self) -> list[Any]:
-        return train_loaders(getattr(self, "_trainer", None))
+    # ---- saving ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        loaders = _train_loaders(self._trainer)
+        return {
+            "rng": get_rng_state(), "generators": [_generator_states(dl) for dl in loaders],
+            "loaders": [dl.state_dict() for dl in loaders if hasattr(dl, "load_state_dict")],
+        }  # fmt: skip
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Not from a signal handler in a vitlab run: LastCheckpoint runs Lightning's SLURM requeue save after
+        # the ranks stopped together.
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            ranks: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(ranks, checkpoint["callbacks"][self.state_key])
+            checkpoint["callbacks"][self.state_key] = {"ranks": ranks}
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Before Lightning restores its loops: take its copy out so the states are applied once, here.
+        self._lightning_loaders = pop_loader_states(checkpoint)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state = state_dict
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state, self._state = self._state or {}, None
+        fallback, self._lightning_loaders = self._lightning_loaders, None
+        ranks = state.get("ranks") or [state]
+        own = len(ranks) == trainer.world_size
+        if state and not own and trainer.is_global_zero:
+            log.warning("resuming on %d ranks a run saved on %d: every rank starts from rank 0's loader and "
+                        "random state (same data order, not the same augmentation)", trainer.world_size,
+                        len(ranks))  # fmt: skip
+        mine = ranks[trainer.global_rank if own else 0]
+        states, generators = mine.get("loaders", fallback) or None, mine.get("generators")
+        loaders = _train_loaders(trainer)
+        if states and _epoch_consumed(states, loaders, trainer.num_training_batches):
+            states = None  # saved at the end of an epoch: the next epoch starts fresh
+        # Restoring a loader's state rewinds its generators to the epoch start, so they are put where the
+        # original run had them after the new iterator exists; without a state, before it.
+        if states:
+            stateful = [dl for dl in loaders if hasattr(dl, "load_state_dict")]
+            if len(stateful) != len(states):
+                raise RuntimeError(f"the checkpoint holds {len(states)} train loader states for {len(stateful)} "
+                                   "stateful train loaders: resume with the data settings it was saved with")
+            for dl, s in zip(stateful, states):
+                dl.load_state_dict(s)
+            restart_fetcher(trainer)
+            _set_generator_states(loaders, generators)
+        elif generators:
+            _set_generator_states(loaders, generators)
+            restart_fetcher(trainer)
+        # RNG last, and not at load time: sanity-check validation and loader set-up draw from these
+        # streams in a resumed run only; the stored state is the one the next batch saw originally.
+        if mine.get("rng"):
+            set_rng_state(mine["rng"])
+            if not own:  # rank 0's streams on every rank: make the others' differ again
+                _decorrelate_ranks(trainer)
+
+
+def _train_loaders(trainer: L.Trainer | None) -> list[Any]:
+    """The running fit's train DataLoaders, flattened; [] before they exist."""
+    loaders = trainer.train_dataloader if trainer is not None else None
+    return CombinedLoader(loaders).flattened if loaders is not None else []
+
+
+def _generator_states(dl: Any) -> dict[str, Any]:
+    gen = getattr(dl, "generator", None)
+    sgen = getattr(getattr(dl, "sampler", None), "generator", None)
+    return {
+        "loader": gen.get_state() if isinstance(gen, torch.Generator) else None,
+        "sampler": sgen.get_state() if isinstance(sgen, torch.Generator) else None,
+    }
 
 
 def _epoch_consumed(states: list[dict[str, Any]], loaders: list[Any], num_batches: float) -> bool:
