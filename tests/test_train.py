@@ -134,7 +134,7 @@ def test_weight_decay_groups_lsa_sincos() -> None:
     assert decay | no_decay == names - {"pos_embed"}
     assert no_decay == {n for n in names - {"pos_embed"} if _is_no_decay_by_name(n)}
     assert {"blocks.0.attn.log_scale", "patch_embed.norm.weight"} <= no_decay
-    opt = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05)
+    opt = build_optimizer(param_groups(model, 0.05, lr=1e-3), "adamw", lr=1e-3, weight_decay=0.05)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(names) - 1
     assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
 
@@ -151,7 +151,7 @@ def test_layer_decay_multipliers() -> None:
     }  # fmt: skip
     for name, lr in expected.items():
         assert lr_of[name] == pytest.approx(lr), name
-    opt = build_optimizer(model, "sgd", lr=1.0, weight_decay=0.1, layer_decay=0.5)
+    opt = build_optimizer(param_groups(model, 0.1, layer_decay=0.5, lr=1.0), "sgd", lr=1.0, weight_decay=0.1)
     assert all(g["momentum"] == 0.9 for g in opt.param_groups)
     assert sorted({g["lr"] for g in opt.param_groups}) == [0.125, 0.25, 0.5, 1.0]
 

@@ -73,13 +73,6 @@ def top_predictions(logits: torch.Tensor, names: Sequence[str], topk: int = 5) -
     return [[(names[i], float(v)) for v, i in zip(vs, ids)] for vs, ids in zip(values.tolist(), idx.tolist())]
 
 
-def denormalize(x: torch.Tensor, data_config: dict[str, Any]) -> torch.Tensor:
-    """Undo the eval transform's normalisation: `[3, H, W]` -> RGB in [0, 1] (what the model saw)."""
-    mean = torch.tensor(data_config.get("mean", IMAGENET_INCEPTION_MEAN), dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(data_config.get("std", IMAGENET_INCEPTION_STD), dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    return (x * std + mean).clamp(0, 1)
-
-
 @torch.no_grad()
 def rollout_for_model(
     model: torch.nn.Module,
@@ -92,7 +85,7 @@ def rollout_for_model(
     """`attention_rollout` read as the model pools: class token, patch mean, or learned sequence weights."""
     weights = None
     if model.pool == "seq":
-        weights = model.attn_pool(model.forward_features(x)).softmax(dim=1).squeeze(-1)
+        weights = model.seq_pool_weights(model.forward_features(x)).squeeze(-1)
     return attention_rollout(
         attn, model.num_prefix_tokens, model.patch_embed.grid_size, image_size=image_size, pool=model.pool,
         discard_ratio=discard_ratio, query_weights=weights,
@@ -115,13 +108,16 @@ def explain(
     the image: data folders are often read-only). The picture is the preprocessed model input
     (resized and cropped), so the heat-map lines up with what was classified.
     """
+    from vitlab.data.batch import denormalize
+
     model = load_model(ckpt, device)
     x = preprocess(model, [image]).to(device)
     logits, attn = model.forward_attention(x)
     preds = top_predictions(logits, class_names(model), topk)[0]
     heat = rollout_for_model(model, x, attn, image_size=tuple(x.shape[-2:]), discard_ratio=discard_ratio)[0]
     path = Path(out) if out else Path.cwd() / f"{Path(image).stem}_explain.png"
-    fig = plot_rollout(denormalize(x[0], model.data_config).cpu(), heat.cpu(), preds, path=path, title=Path(image).name)
+    rgb = denormalize(x[0], model.data_config.get("mean"), model.data_config.get("std")).clamp(0, 1)  # what it saw
+    fig = plot_rollout(rgb.cpu(), heat.cpu(), preds, path=path, title=Path(image).name)
     fig.clear()
     return path
 

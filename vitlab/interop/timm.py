@@ -26,7 +26,6 @@ from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "timm"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 # timm's augreg ViT weights: Inception mean/std, bicubic resize, crop 0.9.
 DATA_CONFIG: dict[str, Any] = {
@@ -38,7 +37,7 @@ DEIT_DATA: dict[str, Any] = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IM
 
 
 def looks_like(keys: list[str]) -> bool:
-    names = strip_prefix(keys, *WRAPPER_PREFIXES)
+    names = strip_prefix(keys)
     has_stem = "patch_embed.proj.weight" in names or "patch_embed.convs.0.0.weight" in names
     return has_stem and any(k.startswith("blocks.0.") for k in names)
 
@@ -90,7 +89,7 @@ def convert(
     sidecar: Mapping[str, Any] | None = None,
     format: str = FORMAT,
 ) -> Converted:
-    names = strip_prefix(tensors, *WRAPPER_PREFIXES)
+    names = strip_prefix(tensors)
     src = Source(tensors, format, path)
     stated, data = _sidecar_data(sidecar) if format == FORMAT else ({}, {})
     defaults = {**DATA_CONFIG, **(DEIT_DATA if "dist_token" in names else {})}

@@ -20,8 +20,6 @@ from vitlab.models.vit import VisionTransformer
 FORMAT = "vitlab"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-# Wrappers a training run may leave on parameter names: DDP and torch.compile.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> Path:
@@ -71,7 +69,7 @@ def convert_lightning(ckpt: Mapping[str, Any], path: str) -> Converted:
     sd = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     if not sd:
         raise CheckpointError("state_dict holds no `model.` parameters", format=fmt, path=path)
-    names = strip_prefix(sd, *WRAPPER_PREFIXES)
+    names = strip_prefix(sd)
     src = Source(sd, fmt, path)
     if isinstance(meta, Mapping) and isinstance(meta.get("model_config"), Mapping):
         data = dict(meta.get("data_config") or {})
