@@ -57,10 +57,11 @@ def preprocess(model: torch.nn.Module, images: Sequence[str | Path]) -> torch.Te
     return torch.stack([transform(load_image(p)) for p in images])
 
 
-def class_names(model: torch.nn.Module) -> list[str]:
-    """`data_config["class_names"]` when it matches the head, else the class indices as text."""
+def class_names(model: torch.nn.Module, num_classes: int | None = None) -> list[str]:
+    """`data_config["class_names"]` when they match the head (`num_classes` outputs, by default the model's),
+    else the class indices as text."""
     names = (getattr(model, "data_config", None) or {}).get("class_names")
-    n = model.num_classes
+    n = model.num_classes if num_classes is None else num_classes
     if names is not None and len(names) == n:
         return [str(s) for s in names]
     return [str(i) for i in range(n)]

@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from vitlab.analysis.commands import class_names
 from vitlab.analysis.plots import new_figure, save_figure
 from vitlab.data.batch import denormalize, split_batch
 from vitlab.train.objectives.mpp import (
@@ -47,11 +48,6 @@ CONFUSION_TAG = "val/confusion_matrix"
 def _vit(pl_module: L.LightningModule) -> Any:
     """The VisionTransformer inside the LightningModule (or the module itself)."""
     return getattr(pl_module, "model", pl_module)
-
-
-def _class_names(model: Any, num_classes: int) -> list[str]:
-    names = (getattr(model, "data_config", None) or {}).get("class_names")
-    return [str(n) for n in names] if names else [str(i) for i in range(num_classes)]
 
 
 def _short(name: str, n: int = 14) -> str:
@@ -377,7 +373,7 @@ class ValidationFigures(Callback):
         finally:
             model.train(was_training)
         preds = logits.argmax(dim=-1).cpu().tolist()
-        names = _class_names(model, logits.shape[-1])
+        names = class_names(model, logits.shape[-1])
         dc = getattr(model, "data_config", None) or {}
         rgb = _rgb(denormalize(x, dc.get("mean"), dc.get("std")))
         step = trainer.global_step
@@ -412,7 +408,7 @@ class ValidationFigures(Callback):
         matrix = self.confmat.compute().cpu()
         if trainer.is_global_zero:
             model = _vit(pl_module)
-            fig = plot_confusion_matrix(matrix, _class_names(model, matrix.shape[0]))
+            fig = plot_confusion_matrix(matrix, class_names(model, matrix.shape[0]))
             self._emit(trainer, CONFUSION_TAG, fig, trainer.global_step)
 
 
