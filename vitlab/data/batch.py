@@ -11,8 +11,8 @@ from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 
 
 def split_batch(batch: Any, targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(images, targets) of `(images, targets)`, of a dict holding them in that order, or (with
-    `targets=False`, whose targets may be None) of a bare tensor of images."""
+    """A batch's (images, targets): `(images, targets)` or a dict holding them in that order; with
+    `targets=False` also a bare tensor of images, whose targets are None."""
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, torch.Tensor):

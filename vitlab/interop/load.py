@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-
 from vitlab.interop import hf, jax_npz, timm, torchvision, vitlab_format
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, build_model
 from vitlab.interop.errors import CheckpointError
