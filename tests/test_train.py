@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+from torchvision.transforms import v2
 
+from vitlab.data.batch import denormalize, split_batch
 from vitlab.interop import load_pretrained
 from vitlab.models import create_model
 from vitlab.train import (
@@ -98,6 +100,21 @@ def test_scheduler_steps_the_optimizer_lr() -> None:
     assert lrs[12] == pytest.approx(0.0)
     # the factor holds no state worth restoring: the horizon always comes from the current run
     assert sched.state_dict()["lr_lambdas"] == [{}]
+
+
+def test_split_batch_layouts_and_denormalize_undoes_torchvision_normalize() -> None:
+    x, y = torch.rand(2, 3, 4, 4), torch.tensor([0, 1])
+    for batch in ((x, y), [x, y, "path"], {"image": x, "label": y}):
+        images, targets = split_batch(batch)
+        assert images is x and targets is y
+    images, targets = split_batch(x, targets=False)
+    assert images is x and targets is None
+    with pytest.raises(TypeError, match="got images only"):
+        split_batch(x)
+    mean, std = [0.2, 0.4, 0.6], [0.5, 0.25, 0.125]
+    torch.testing.assert_close(denormalize(v2.Normalize(mean, std)(x), mean, std), x)
+    # No mean/std given: vitlab's default, Inception's 0.5 / 0.5.
+    torch.testing.assert_close(denormalize(v2.Normalize([0.5] * 3, [0.5] * 3)(x)), x)
 
 
 # ---- 2. weight-decay groups and layer decay --------------------------------------------------------
