@@ -7,7 +7,6 @@ name prefixes, and the patch embedding of old timm checkpoints stored as a linea
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -181,11 +180,6 @@ def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
     A distilled model loads as timm's `VisionTransformerDistilled`; both predict with the mean of
     the two heads' logits (DeiT's rule), so the logits are the same.
     """
-    from safetensors.torch import save_file
+    from vitlab.interop.vitlab_format import write_folder
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(timm_config(model), indent=2) + "\n")
-    return directory
+    return write_folder(directory, model.state_dict(), config=timm_config(model))
