@@ -107,4 +107,3 @@ class CIFARDataModule(ImageDataModule):
         order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed)).tolist()
         train_idx, val_idx = held_out_split(train.targets, self.val_fraction, order)
         self.train_dataset, self.val_dataset = Subset(train, train_idx), Subset(held_out, val_idx)
-
