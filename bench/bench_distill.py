@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vitlab.data import ShardDataModule  # noqa: E402
+from vitlab.data.batch import split_batch  # noqa: E402
 from vitlab.train import ViTClassifier  # noqa: E402
 from vitlab.train.objectives.distill import DistillClassifier  # noqa: E402
-from vitlab.train.objectives.classifier import _unpack  # noqa: E402
 
 RECIPE = ROOT / "recipes/finetune/imagenette_deit_distill_cpu.yaml"
 
@@ -70,13 +70,13 @@ class CNNTeacher(L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = _unpack(batch)
+        x, y = split_batch(batch)
         loss = F.cross_entropy(self(x), y, label_smoothing=0.1)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = _unpack(batch)
+        x, y = split_batch(batch)
         self.val_acc1(self(x), y.argmax(1) if y.ndim == 2 else y)
         self.log("val/acc1", self.val_acc1, on_epoch=True)
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import median, spread  # noqa: E402
 from vitlab.train import PerfMonitor, ViTClassifier  # noqa: E402
-from vitlab.train.objectives.optim import build_optimizer  # noqa: E402
+from vitlab.train.objectives.optim import build_optimizer, param_groups  # noqa: E402
 from vitlab.train.objectives.schedule import build_scheduler  # noqa: E402
 
 MODEL = dict(arch="vit_tiny_patch16", model_args=dict(patch_size=4, depth=6, mlp_ratio=2.0), img_size=32,
@@ -77,7 +77,8 @@ def lightning_run(data: TensorDataset, batch: int, steps: int, warmup: int) -> f
 def plain_run(data: TensorDataset, batch: int, steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     model = ViTClassifier(**MODEL).model.train()
-    opt = build_optimizer(model, "adamw", lr=MODEL["lr"], weight_decay=MODEL["weight_decay"])
+    groups = param_groups(model, MODEL["weight_decay"], lr=MODEL["lr"])
+    opt = build_optimizer(groups, "adamw", lr=MODEL["lr"], weight_decay=MODEL["weight_decay"])
     sched = build_scheduler(opt, warmup_steps=0, total_steps=steps + warmup)
     loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
     done, start = 0, 0.0

@@ -28,7 +28,7 @@ sys.path[:0] = [str(REPO / "bench"), str(REPO)]  # the tree this script sits in 
 from common import environment  # noqa: E402
 
 from vitlab.train import ViTClassifier  # noqa: E402
-from vitlab.train.objectives.optim import build_optimizer  # noqa: E402
+from vitlab.train.objectives.optim import build_optimizer, param_groups  # noqa: E402
 from vitlab.train.run.defaults import cpu_has_fast_bf16  # noqa: E402
 
 RECIPES = {  # recipe, number of classes of its data
@@ -47,7 +47,8 @@ def build(recipe: str, num_classes: int, batch: int | None, compile_: bool) -> t
         module.model.compile()
     module.train()
     hp = module.hparams
-    optimizer = build_optimizer(module.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay)
+    groups = param_groups(module.model, hp.weight_decay, lr=hp.lr)
+    optimizer = build_optimizer(groups, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay)
     b = batch or data["batch_size"]
     x = torch.randn(b, 3, data["img_size"], data["img_size"])
     y = torch.randint(num_classes, (b,))

@@ -250,6 +250,18 @@ def test_bad_teachers_and_students_are_named(tmp_path: Path) -> None:
         _student(tmp_path / "no_weights.pth").setup("fit")
 
 
+def test_a_lightning_checkpoint_of_a_compiled_teacher_loads_its_weights(tmp_path: Path) -> None:
+    net = torchvision.models.get_model("resnet18", weights=None, num_classes=4)
+    want = net.state_dict()
+    path = tmp_path / "teacher.ckpt"  # nested under state_dict, names prefixed by the module and compile
+    torch.save({"epoch": 3, "state_dict": {f"model._orig_mod.{k}": v for k, v in want.items()}}, path)
+    student = _student(path)
+    student.setup("fit")
+    got = student.teacher.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 # ---- timm parity -----------------------------------------------------------------------------------
 
 

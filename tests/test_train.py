@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+from torchvision.transforms import v2
 
+from vitlab.data.batch import denormalize, split_batch
 from vitlab.interop import load_pretrained
 from vitlab.models import create_model
 from vitlab.train import (
@@ -100,6 +102,21 @@ def test_scheduler_steps_the_optimizer_lr() -> None:
     assert sched.state_dict()["lr_lambdas"] == [{}]
 
 
+def test_split_batch_layouts_and_denormalize_undoes_torchvision_normalize() -> None:
+    x, y = torch.rand(2, 3, 4, 4), torch.tensor([0, 1])
+    for batch in ((x, y), [x, y, "path"], {"image": x, "label": y}):
+        images, targets = split_batch(batch)
+        assert images is x and targets is y
+    images, targets = split_batch(x, targets=False)
+    assert images is x and targets is None
+    with pytest.raises(TypeError, match="got images only"):
+        split_batch(x)
+    mean, std = [0.2, 0.4, 0.6], [0.5, 0.25, 0.125]
+    torch.testing.assert_close(denormalize(v2.Normalize(mean, std)(x), mean, std), x)
+    # No mean/std given: vitlab's default, Inception's 0.5 / 0.5.
+    torch.testing.assert_close(denormalize(v2.Normalize([0.5] * 3, [0.5] * 3)(x)), x)
+
+
 # ---- 2. weight-decay groups and layer decay --------------------------------------------------------
 
 
@@ -134,7 +151,7 @@ def test_weight_decay_groups_lsa_sincos() -> None:
     assert decay | no_decay == names - {"pos_embed"}
     assert no_decay == {n for n in names - {"pos_embed"} if _is_no_decay_by_name(n)}
     assert {"blocks.0.attn.log_scale", "patch_embed.norm.weight"} <= no_decay
-    opt = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05)
+    opt = build_optimizer(param_groups(model, 0.05, lr=1e-3), "adamw", lr=1e-3, weight_decay=0.05)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(names) - 1
     assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
 
@@ -151,7 +168,7 @@ def test_layer_decay_multipliers() -> None:
     }  # fmt: skip
     for name, lr in expected.items():
         assert lr_of[name] == pytest.approx(lr), name
-    opt = build_optimizer(model, "sgd", lr=1.0, weight_decay=0.1, layer_decay=0.5)
+    opt = build_optimizer(param_groups(model, 0.1, layer_decay=0.5, lr=1.0), "sgd", lr=1.0, weight_decay=0.1)
     assert all(g["momentum"] == 0.9 for g in opt.param_groups)
     assert sorted({g["lr"] for g in opt.param_groups}) == [0.125, 0.25, 0.5, 1.0]
 

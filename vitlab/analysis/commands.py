@@ -57,10 +57,11 @@ def preprocess(model: torch.nn.Module, images: Sequence[str | Path]) -> torch.Te
     return torch.stack([transform(load_image(p)) for p in images])
 
 
-def class_names(model: torch.nn.Module) -> list[str]:
-    """`data_config["class_names"]` when it matches the head, else the class indices as text."""
+def class_names(model: torch.nn.Module, num_classes: int | None = None) -> list[str]:
+    """`data_config["class_names"]` when they match the head (`num_classes` outputs, by default the model's),
+    else the class indices as text."""
     names = (getattr(model, "data_config", None) or {}).get("class_names")
-    n = model.num_classes
+    n = model.num_classes if num_classes is None else num_classes
     if names is not None and len(names) == n:
         return [str(s) for s in names]
     return [str(i) for i in range(n)]
@@ -71,13 +72,6 @@ def top_predictions(logits: torch.Tensor, names: Sequence[str], topk: int = 5) -
     probs = logits.float().softmax(dim=-1)
     values, idx = probs.topk(min(topk, probs.shape[-1]), dim=-1)
     return [[(names[i], float(v)) for v, i in zip(vs, ids)] for vs, ids in zip(values.tolist(), idx.tolist())]
-
-
-def denormalize(x: torch.Tensor, data_config: dict[str, Any]) -> torch.Tensor:
-    """Undo the eval transform's normalisation: `[3, H, W]` -> RGB in [0, 1] (what the model saw)."""
-    mean = torch.tensor(data_config.get("mean", IMAGENET_INCEPTION_MEAN), dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(data_config.get("std", IMAGENET_INCEPTION_STD), dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    return (x * std + mean).clamp(0, 1)
 
 
 @torch.no_grad()
@@ -92,7 +86,7 @@ def rollout_for_model(
     """`attention_rollout` read as the model pools: class token, patch mean, or learned sequence weights."""
     weights = None
     if model.pool == "seq":
-        weights = model.attn_pool(model.forward_features(x)).softmax(dim=1).squeeze(-1)
+        weights = model.seq_pool_weights(model.forward_features(x)).squeeze(-1)
     return attention_rollout(
         attn, model.num_prefix_tokens, model.patch_embed.grid_size, image_size=image_size, pool=model.pool,
         discard_ratio=discard_ratio, query_weights=weights,
@@ -115,13 +109,16 @@ def explain(
     the image: data folders are often read-only). The picture is the preprocessed model input
     (resized and cropped), so the heat-map lines up with what was classified.
     """
+    from vitlab.data.batch import denormalize
+
     model = load_model(ckpt, device)
     x = preprocess(model, [image]).to(device)
     logits, attn = model.forward_attention(x)
     preds = top_predictions(logits, class_names(model), topk)[0]
     heat = rollout_for_model(model, x, attn, image_size=tuple(x.shape[-2:]), discard_ratio=discard_ratio)[0]
     path = Path(out) if out else Path.cwd() / f"{Path(image).stem}_explain.png"
-    fig = plot_rollout(denormalize(x[0], model.data_config).cpu(), heat.cpu(), preds, path=path, title=Path(image).name)
+    rgb = denormalize(x[0], model.data_config.get("mean"), model.data_config.get("std")).clamp(0, 1)  # what it saw
+    fig = plot_rollout(rgb.cpu(), heat.cpu(), preds, path=path, title=Path(image).name)
     fig.clear()
     return path
 

@@ -128,9 +128,9 @@ class _Scorer(L.LightningModule):
         self.images = 0
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        from vitlab.train.objectives.classifier import _unpack
+        from vitlab.data.batch import split_batch
 
-        x, y = _unpack(batch)
+        x, y = split_batch(batch)
         logits = self.model(x)
         hard = y.argmax(dim=1) if y.ndim == 2 else y
         self.acc1.update(logits, hard)

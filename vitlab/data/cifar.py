@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +11,7 @@ from torch.utils.data import Subset
 from torchvision.datasets import CIFAR10, CIFAR100
 
 from vitlab.data.base import ImageDataModule
+from vitlab.data.folder import held_out_split
 from vitlab.data.transforms import TrainCrop
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -104,19 +104,6 @@ class CIFARDataModule(ImageDataModule):
             return
         # The held-out images are read with the eval transform, so they need their own dataset object.
         held_out = cls(str(self.root), train=True, transform=self.eval_transform(), download=False)
-        train_idx, val_idx = held_out_split(train.targets, self.val_fraction, self.seed)
+        order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        train_idx, val_idx = held_out_split(train.targets, self.val_fraction, order)
         self.train_dataset, self.val_dataset = Subset(train, train_idx), Subset(held_out, val_idx)
-
-
-def held_out_split(targets: Sequence[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, val) indices: `round(fraction * n_c)` images of each class c (at least one) go to val,
-    picked by a permutation seeded by `seed`, so every run and every rank holds out the same images."""
-    labels = torch.as_tensor(list(targets))
-    g = torch.Generator().manual_seed(seed)
-    val: list[int] = []
-    for c in labels.unique().tolist():
-        idx = (labels == c).nonzero().flatten()
-        n_val = max(1, round(fraction * len(idx)))
-        val += idx[torch.randperm(len(idx), generator=g)[:n_val]].tolist()
-    held = set(val)
-    return [i for i in range(len(labels)) if i not in held], sorted(val)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,30 +43,24 @@ def name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
 
 
-def held_out_split(
-    samples: list[tuple[str, int]], val_fraction: float, root: str | os.PathLike
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Per class, the round(val_fraction * n) files whose relative path hashes lowest go to val.
+def held_out_split(targets: Sequence[int], fraction: float, keys: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """(train, val) indices: per class, the round(fraction * n) items of lowest key go to val; with
+    fraction > 0, a class of two or more gives at least one and keeps at least one for train.
 
-    Hash order, not RNG order: the split depends only on the file names, so it is the same on every
-    rank, in every run, and for a file regardless of directory-listing order. Classes with at least
-    two files give at least one to val (when val_fraction > 0) and keep at least one for train.
+    The keys decide the draw, so they make it the same on every rank and in every run: hashes of the
+    file names here (`name_hash`, independent of directory-listing order), a seeded permutation for
+    CIFAR, whose images have no names.
     """
-    by_class: dict[int, list[tuple[int, str]]] = {}
-    for path, target in samples:
-        rel = os.path.relpath(path, root)
-        by_class.setdefault(target, []).append((name_hash(rel), path))
-    train, val = [], []
-    for target in sorted(by_class):
-        items = sorted(by_class[target])
-        n = len(items)
-        k = round(val_fraction * n)
-        if val_fraction > 0 and n >= 2:
-            k = min(max(k, 1), n - 1)
-        chosen = {p for _, p in items[:k]}
-        for _, p in sorted(items, key=lambda hp: hp[1]):
-            (val if p in chosen else train).append((p, target))
-    return train, val
+    by_class: dict[int, list[tuple[Any, int]]] = {}
+    for i, (target, key) in enumerate(zip(targets, keys)):
+        by_class.setdefault(target, []).append((key, i))
+    val: set[int] = set()
+    for items in by_class.values():
+        k = round(fraction * len(items))
+        if fraction > 0 and len(items) >= 2:
+            k = min(max(k, 1), len(items) - 1)
+        val.update(i for _, i in sorted(items)[:k])
+    return [i for i in range(len(targets)) if i not in val], sorted(val)
 
 
 class ImageFolderDataModule(LabelsOption, ImageDataModule):
@@ -168,7 +163,9 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         if val_dir is not None:
             val_samples = scan(val_dir)
         elif self.val_fraction > 0:
-            samples, val_samples = held_out_split(samples, self.val_fraction, train_dir)
+            keys = [name_hash(os.path.relpath(path, train_dir)) for path, _ in samples]
+            train, val = held_out_split([target for _, target in samples], self.val_fraction, keys)
+            samples, val_samples = [samples[i] for i in train], [samples[i] for i in val]
         else:
             val_samples = []
         self.train_dataset = ImageFileDataset(samples, self.train_transform(), self.skip_bad_images)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,11 @@ def default_num_heads(embed_dim: int) -> int | None:
     return embed_dim // 64 if embed_dim % 64 == 0 else None
 
 
-def strip_prefix(keys: Iterable[str], *prefixes: str) -> dict[str, str]:
+# Wrappers a training run may leave on parameter names: DDP and torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_prefix(keys: Iterable[str], prefixes: Sequence[str] = WRAPPER_PREFIXES) -> dict[str, str]:
     """new name -> old name, removing any of `prefixes` repeatedly while every key carries it."""
     names = {k: k for k in keys}
     changed = True

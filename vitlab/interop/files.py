@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from vitlab.interop.errors import CheckpointError, UnsafeCheckpointError
 FOLDER_FILES = ("model.safetensors", "pytorch_model.bin", "model.pth", "model.pt", "model.ckpt", "model.npz")
 SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".npz")
 
+# Keys under which training scripts nest the state dict (timm: `model`, `state_dict`).
+_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 # argparse.Namespace holds only attributes; timm's training script stores its args as one.
 _SAFE_EXTRA_GLOBALS = [argparse.Namespace]
 # Restricted-unpickler complaints that mean a broken stream, not a forbidden object.
@@ -88,6 +91,23 @@ def read_checkpoint(path: str | Path, name: str | None = None) -> RawCheckpoint:
         kind, obj = "torch", _read_torch(weights, label)
     processor = read_sidecar(weights, "preprocessor_config.json")
     return RawCheckpoint(weights, kind, obj, read_sidecar(weights), processor, label if name else None)
+
+
+def unwrap_state_dict(obj: Any, label: str) -> dict[str, Any]:
+    """The named tensors (or arrays) of a read checkpoint, out of the dicts training scripts nest them in."""
+    for _ in range(3):  # e.g. {"model": {"state_dict": {...}}}
+        if not isinstance(obj, Mapping):
+            break
+        inner = next((obj[k] for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
+        if inner is None or any(isinstance(v, torch.Tensor) for v in obj.values()):
+            break
+        obj = inner
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"holds a {type(obj).__name__}, not a state dict of named tensors", path=label)
+    tensors = {str(k): v for k, v in obj.items() if isinstance(v, (torch.Tensor, np.ndarray))}
+    if not tensors:
+        raise CheckpointError(f"holds no state dict (keys: {', '.join(map(str, list(obj)[:12]))})", path=label)
+    return tensors
 
 
 def _read_safetensors(path: Path, label: str) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ Two layouts are read: the one transformers 4.x used and 5.x still writes to disk
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -295,12 +294,7 @@ def preprocessor_config(data_config: Mapping[str, Any]) -> dict[str, Any]:
 def export_hf(model: VisionTransformer, directory: str | Path) -> Path:
     """Write a folder `ViTForImageClassification.from_pretrained` and `AutoImageProcessor` load:
     `config.json`, `model.safetensors`, `preprocessor_config.json`. Returns the folder."""
-    from safetensors.torch import save_file
+    from vitlab.interop.vitlab_format import write_folder
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
-    processor = preprocessor_config(model.data_config)
-    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    return directory
+    return write_folder(directory, to_hf_state_dict(model), config=hf_config(model),
+                        preprocessor_config=preprocessor_config(model.data_config))  # fmt: skip

@@ -7,20 +7,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from vitlab.interop import hf, jax_npz, timm, torchvision, vitlab_format
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, build_model
 from vitlab.interop.errors import CheckpointError
-from vitlab.interop.files import RawCheckpoint, read_checkpoint
+from vitlab.interop.files import RawCheckpoint, read_checkpoint, unwrap_state_dict
 from vitlab.interop.hub import resolve_source
 from vitlab.models.resize import to_2tuple
 from vitlab.models.vit import VisionTransformer
 
 _CONSTRUCTOR_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
-# Keys under which training scripts nest the state dict (timm: `model`, `state_dict`).
-_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _KNOWN_LAYOUTS = (
     "vitlab/timm (`patch_embed.proj.weight`, `blocks.N.*`), HF transformers "
     "(`[vit.]embeddings.patch_embeddings.projection.weight`), torchvision (`conv_proj.weight`, "
@@ -87,7 +82,7 @@ def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
         raise _not_a_vit(list(obj), path)
     if vitlab_format.is_lightning(obj):
         return vitlab_format.convert_lightning(obj, path)
-    tensors = _unwrap(obj, path)
+    tensors = unwrap_state_dict(obj, path)
     keys = list(tensors)
     if vitlab_format.is_native_sidecar(raw.sidecar) and timm.looks_like(keys):
         return vitlab_format.convert_saved(tensors, raw.sidecar, path)  # type: ignore[arg-type]
@@ -100,22 +95,6 @@ def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
     if jax_npz.looks_like(keys):  # Flax names in a torch/safetensors container
         return jax_npz.convert(tensors, path, config)
     raise _not_a_vit(keys, path)
-
-
-def _unwrap(obj: Any, path: str) -> dict[str, Any]:
-    for _ in range(3):  # e.g. {"model": {"state_dict": {...}}}
-        if not isinstance(obj, Mapping):
-            break
-        inner = next((obj[k] for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
-        if inner is None or any(isinstance(v, torch.Tensor) for v in obj.values()):
-            break
-        obj = inner
-    if not isinstance(obj, Mapping):
-        raise CheckpointError(f"holds a {type(obj).__name__}, not a state dict of named tensors", path=path)
-    tensors = {str(k): v for k, v in obj.items() if isinstance(v, (torch.Tensor, np.ndarray))}
-    if not tensors:
-        raise CheckpointError(f"holds no tensors (top-level keys: {', '.join(map(str, list(obj)[:12]))})", path=path)
-    return tensors
 
 
 def _not_a_vit(keys: list[str], path: str) -> CheckpointError:

@@ -7,7 +7,6 @@ name prefixes, and the patch embedding of old timm checkpoints stored as a linea
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +25,6 @@ from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "timm"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 # timm's augreg ViT weights: Inception mean/std, bicubic resize, crop 0.9.
 DATA_CONFIG: dict[str, Any] = {
@@ -38,7 +36,7 @@ DEIT_DATA: dict[str, Any] = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IM
 
 
 def looks_like(keys: list[str]) -> bool:
-    names = strip_prefix(keys, *WRAPPER_PREFIXES)
+    names = strip_prefix(keys)
     has_stem = "patch_embed.proj.weight" in names or "patch_embed.convs.0.0.weight" in names
     return has_stem and any(k.startswith("blocks.0.") for k in names)
 
@@ -90,7 +88,7 @@ def convert(
     sidecar: Mapping[str, Any] | None = None,
     format: str = FORMAT,
 ) -> Converted:
-    names = strip_prefix(tensors, *WRAPPER_PREFIXES)
+    names = strip_prefix(tensors)
     src = Source(tensors, format, path)
     stated, data = _sidecar_data(sidecar) if format == FORMAT else ({}, {})
     defaults = {**DATA_CONFIG, **(DEIT_DATA if "dist_token" in names else {})}
@@ -182,11 +180,6 @@ def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
     A distilled model loads as timm's `VisionTransformerDistilled`; both predict with the mean of
     the two heads' logits (DeiT's rule), so the logits are the same.
     """
-    from safetensors.torch import save_file
+    from vitlab.interop.vitlab_format import write_folder
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(timm_config(model), indent=2) + "\n")
-    return directory
+    return write_folder(directory, model.state_dict(), config=timm_config(model))

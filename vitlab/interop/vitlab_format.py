@@ -19,23 +19,27 @@ from vitlab.models.vit import VisionTransformer
 
 FORMAT = "vitlab"
 WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-# Wrappers a training run may leave on parameter names: DDP and torch.compile.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> Path:
     """Write `model.safetensors` and `config.json` into `directory` (created if needed); returns the folder."""
-    from safetensors.torch import save_file
-
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"save_pretrained expects a vitlab VisionTransformer, got {type(model).__name__}")
+    config = {"format": FORMAT, "model": model.config, "data": model.data_config}
+    return write_folder(directory, model.state_dict(), config=config)
+
+
+def write_folder(directory: str | Path, tensors: Mapping[str, torch.Tensor], **configs: Mapping[str, Any]) -> Path:
+    """`model.safetensors` and a `<name>.json` per config into `directory` (created if needed): the
+    folder layout of vitlab, timm and HF transformers. Returns the folder."""
+    from safetensors.torch import save_file
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-    config = {"format": FORMAT, "model": model.config, "data": model.data_config}
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    for name, config in configs.items():
+        (directory / f"{name}.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
 
@@ -71,7 +75,7 @@ def convert_lightning(ckpt: Mapping[str, Any], path: str) -> Converted:
     sd = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     if not sd:
         raise CheckpointError("state_dict holds no `model.` parameters", format=fmt, path=path)
-    names = strip_prefix(sd, *WRAPPER_PREFIXES)
+    names = strip_prefix(sd)
     src = Source(sd, fmt, path)
     if isinstance(meta, Mapping) and isinstance(meta.get("model_config"), Mapping):
         data = dict(meta.get("data_config") or {})

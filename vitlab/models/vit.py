@@ -330,8 +330,11 @@ class VisionTransformer(nn.Module):
             return x[:, 0]
         if self.pool == "avg":
             return x[:, self.num_prefix_tokens :].mean(dim=1)
-        weights = self.attn_pool(x).softmax(dim=1)  # sequence pooling: learned weights over tokens
-        return (weights.transpose(1, 2) @ x).squeeze(1)
+        return (self.seq_pool_weights(x).transpose(1, 2) @ x).squeeze(1)
+
+    def seq_pool_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence pooling's learned weights over the tokens `[B, N, 1]` of `forward_features`."""
+        return self.attn_pool(x).softmax(dim=1)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens from `forward_features` -> logits (or the pooled representation).

@@ -21,9 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
+from vitlab.data.batch import split_batch
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed
+from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed, param_groups
 from vitlab.train.objectives.schedule import lightning_schedule
 
 _COMPILE_PREFIX = "_orig_mod."
@@ -32,14 +33,6 @@ _COMPILE_PREFIX = "_orig_mod."
 def _plain(obj: Any) -> Any:
     """JSON round trip: plain dicts/lists/numbers/strings only, so `torch.load(weights_only=True)` reads it."""
     return json.loads(json.dumps(obj))
-
-
-def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if not isinstance(batch, Sequence) or len(batch) < 2:
-        raise TypeError("expected a batch of (images, targets)")
-    return batch[0], batch[1]
 
 
 def _grid(config: Mapping[str, Any]) -> list[int]:
@@ -300,7 +293,7 @@ class ViTClassifier(L.LightningModule):
         return self.loss(logits, y), logits, {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = _unpack(batch)
+        x, y = split_batch(batch)
         loss, logits, extra = self.compute_loss(x, y)
         hard = y.argmax(dim=1) if y.ndim == 2 else y
         n = x.shape[0]
@@ -312,7 +305,7 @@ class ViTClassifier(L.LightningModule):
         return loss
 
     def _eval_step(self, batch: Any, stage: str) -> torch.Tensor:
-        x, y = _unpack(batch)
+        x, y = split_batch(batch)
         logits = self(x)
         hard = y.argmax(dim=1) if y.ndim == 2 else y
         n = x.shape[0]
@@ -336,7 +329,7 @@ class ViTClassifier(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Class probabilities [B, C]."""
-        x = batch if isinstance(batch, torch.Tensor) else _unpack(batch)[0]
+        x, _ = split_batch(batch, targets=False)
         return self(x).float().softmax(dim=-1)
 
     # ---- optimisation ----------------------------------------------------------------------------
@@ -344,8 +337,9 @@ class ViTClassifier(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = build_optimizer(
-            self.model, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            momentum=hp.momentum, layer_decay=hp.layer_decay, fused=fused_allowed(self._trainer),
+            param_groups(self.model, hp.weight_decay, layer_decay=hp.layer_decay, lr=hp.lr), hp.optimizer,
+            lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), momentum=hp.momentum,
+            fused=fused_allowed(self._trainer),
         )  # fmt: skip
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
 

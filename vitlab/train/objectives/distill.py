@@ -24,7 +24,7 @@ checkpoints: validating, testing or exporting a distilled student never needs it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -33,14 +33,11 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vitlab.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from vitlab.data.batch import denormalize
 from vitlab.train.objectives.classifier import ViTClassifier
 
 Distillation = Literal["hard", "soft"]
 KLReduction = Literal["batchmean", "deit"]
-
-# torchvision's ImageNet weights expect these; a teacher trained otherwise states its own.
-_WRAPPERS = ("state_dict", "model", "model_state_dict")
-_PREFIXES = ("module.", "_orig_mod.", "model.")
 
 
 def distillation_loss(
@@ -79,36 +76,16 @@ def distillation_loss(
 
 def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
     """A torchvision-style state dict from `.safetensors` or a `weights_only` torch file (a path or a
-    URL, fetched once into the download cache), unwrapped."""
+    URL, fetched once into the download cache), unwrapped, with DDP/compile/Lightning prefixes removed."""
     from vitlab.interop import resolve_source
+    from vitlab.interop.architecture import WRAPPER_PREFIXES, strip_prefix
+    from vitlab.interop.files import read_checkpoint, unwrap_state_dict
 
-    p = resolve_source(path).path
-    if not p.is_file():
+    source = resolve_source(path)
+    if not source.path.is_file():
         raise FileNotFoundError(f"teacher checkpoint {path!r} does not exist")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        sd: Any = load_file(str(p))
-    else:
-        try:
-            sd = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - re-raised with what to do
-            raise ValueError(
-                f"teacher checkpoint {path!r} does not load with torch.load(weights_only=True) ({e}); "
-                "save the teacher's state_dict (torch.save(model.state_dict(), ...)) or as .safetensors"
-            ) from e
-    while isinstance(sd, Mapping) and not any(isinstance(v, torch.Tensor) for v in sd.values()):
-        key = next((k for k in _WRAPPERS if isinstance(sd.get(k), Mapping)), None)
-        if key is None:
-            raise ValueError(f"teacher checkpoint {path!r} holds no state dict (keys: {', '.join(map(str, sd))})")
-        sd = sd[key]
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            for prefix in _PREFIXES:
-                k = k.removeprefix(prefix)
-            out[k] = v
-    return out
+    tensors = unwrap_state_dict(read_checkpoint(source.path, name=source.label).obj, path)
+    return {new: tensors[old] for new, old in strip_prefix(tensors, (*WRAPPER_PREFIXES, "model.")).items()}
 
 
 def load_teacher(path: str, arch: str | None, num_classes: int) -> tuple[nn.Module, dict[str, Any]]:
@@ -134,6 +111,7 @@ def load_teacher(path: str, arch: str | None, num_classes: int) -> tuple[nn.Modu
                 f"(the student's): {str(e).splitlines()[0]} ...; check teacher_arch and that the teacher "
                 "was trained on the same classes"
             ) from e
+        # torchvision's ImageNet weights expect these; a teacher trained otherwise states its own.
         transform = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD), "img_size": None}
         out = num_classes
     if out != num_classes:
@@ -152,8 +130,7 @@ def to_teacher_input(
 ) -> torch.Tensor:
     """Student-normalised images -> the teacher's input: pixels back, resized, teacher-normalised."""
     shape = (1, -1, 1, 1)
-    pixels = x.float() * x.new_tensor(student_std, dtype=torch.float32).view(shape)
-    pixels = pixels + x.new_tensor(student_mean, dtype=torch.float32).view(shape)
+    pixels = denormalize(x, student_mean, student_std)
     if teacher_size is not None and tuple(teacher_size) != tuple(x.shape[-2:]):
         pixels = F.interpolate(pixels, size=tuple(teacher_size), mode="bicubic", antialias=True, align_corners=False)
     mean = pixels.new_tensor(teacher_mean).view(shape)

@@ -18,8 +18,6 @@ field spans the neighbouring patches, cannot read a corrupted patch through its 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import lightning as L
@@ -29,9 +27,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torchmetrics import MeanMetric
 
+from vitlab.data.batch import denormalize, split_batch
 from vitlab.models import VisionTransformer, create_model
-from vitlab.train.objectives.classifier import log_training_step
-from vitlab.train.objectives.optim import clip_gradients, fused_allowed, kernel_kwargs, param_groups
+from vitlab.train.objectives.classifier import _plain, log_training_step
+from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed, param_groups
 from vitlab.train.objectives.schedule import lightning_schedule
 
 Target = Literal["color", "pixels"]
@@ -117,22 +116,6 @@ def apply_corruption(patches: torch.Tensor, c: Corruption, fill: torch.Tensor | 
 
 
 # ---- the module --------------------------------------------------------------------------------------
-
-
-def _plain(obj: Any) -> Any:
-    """JSON round trip: plain data only, so `torch.load(weights_only=True)` reads it."""
-    return json.loads(json.dumps(obj))
-
-
-def _images(batch: Any) -> torch.Tensor:
-    """The images of a batch: `(images, labels)`, a dict holding them first, or a bare tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, Sequence) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    raise TypeError(f"expected a batch of images or (images, labels), got {type(batch).__name__}")
 
 
 class MaskedPatchPretraining(L.LightningModule):
@@ -246,10 +229,7 @@ class MaskedPatchPretraining(L.LightningModule):
 
     def _unnormalize(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs -> pixels in [0, 1] (the data's mean/std undone)."""
-        dc = self.model.data_config
-        mean = torch.tensor(dc["mean"], device=x.device, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(dc["std"], device=x.device, dtype=torch.float32).view(1, -1, 1, 1)
-        return (x.float() * std + mean).clamp(0.0, 1.0)
+        return denormalize(x, self.model.data_config["mean"], self.model.data_config["std"]).clamp(0.0, 1.0)
 
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, Corruption]:
         """Images -> (head outputs for every patch `[B, N, out]`, the corruption applied).
@@ -309,7 +289,7 @@ class MaskedPatchPretraining(L.LightningModule):
     # ---- steps -------------------------------------------------------------------------------------
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x = _images(batch)
+        x, _ = split_batch(batch, targets=False)
         loss, acc, n, _, _ = self.objective(x)
         self.train_loss.update(loss.detach(), n)
         self.train_acc.update(acc, n)
@@ -317,7 +297,7 @@ class MaskedPatchPretraining(L.LightningModule):
         return loss
 
     def _eval_step(self, batch: Any, batch_idx: int, stage: str) -> None:
-        x = _images(batch)
+        x, _ = split_batch(batch, targets=False)
         # The same corruption of the same batch at every validation, so epochs compare.
         generator = torch.Generator(device=x.device).manual_seed(batch_idx * 1009 + self.global_rank)
         loss, acc, n, _, _ = self.objective(x, generator)
@@ -343,8 +323,8 @@ class MaskedPatchPretraining(L.LightningModule):
             group["params"] = [(f"mpp_head.{name}", p) for name, p in group["params"]]
             groups.append(group)
         groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr, "lr_scale": 1.0})
-        impl = kernel_kwargs((p for g in groups for _, p in g["params"]), fused_allowed(self._trainer))
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay, **impl)
+        fused = fused_allowed(self._trainer)
+        optimizer = build_optimizer(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), fused=fused)
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
 
     def configure_gradient_clipping(

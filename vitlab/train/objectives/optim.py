@@ -107,18 +107,17 @@ def fused_allowed(trainer: L.Trainer | None) -> bool:
 
 
 def build_optimizer(
-    model: nn.Module,
+    groups: list[dict[str, Any]],
     optimizer: OptimizerName = "adamw",
     lr: float = 1e-3,
     weight_decay: float = 0.05,
     betas: tuple[float, float] = (0.9, 0.999),
     momentum: float = 0.9,
-    layer_decay: float | None = None,
     fused: bool = True,
 ) -> torch.optim.Optimizer:
-    """AdamW (the paper's pretraining optimizer) or SGD with momentum (its fine-tuning one), with fused
-    kernels where the parameters allow them and `fused` (see `fused_allowed`), else foreach ones."""
-    groups = param_groups(model, weight_decay, layer_decay=layer_decay, lr=lr)
+    """AdamW (the paper's pretraining optimizer) or SGD with momentum (its fine-tuning one) over `groups`
+    (`param_groups`), with fused kernels where the parameters allow them and `fused` (see `fused_allowed`),
+    else foreach ones."""
     if not groups:
         raise ValueError("the model has no trainable parameters")
     impl = kernel_kwargs((p for g in groups for _, p in g["params"]), fused)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -14,6 +14,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.flop_counter import FlopCounterMode
 
+from vitlab.data.batch import split_batch
+
 try:
     import psutil
 except ImportError:  # pragma: no cover - optional: without it the CPU peak memory is not reported
@@ -21,14 +23,8 @@ except ImportError:  # pragma: no cover - optional: without it the CPU peak memo
 
 
 def batch_images(batch: Any) -> int:
-    """Number of images in a batch: `(images, targets)`, a dict holding a tensor, or a bare tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, Sequence) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0].shape[0]
-    raise TypeError(f"cannot count the images in a batch of type {type(batch).__name__}")
+    """Number of images in a batch (`split_batch`'s layouts)."""
+    return split_batch(batch, targets=False)[0].shape[0]
 
 
 class EMA(EMAWeightAveraging):

@@ -28,7 +28,9 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from vitlab.analysis.commands import class_names
 from vitlab.analysis.plots import new_figure, save_figure
+from vitlab.data.batch import denormalize, split_batch
 from vitlab.train.objectives.mpp import (
     CLEAN, KEPT, MASKED, RANDOM, MaskedPatchPretraining, color_of_ids, patchify, unpatchify,
 )  # fmt: skip
@@ -43,36 +45,18 @@ CONFUSION_TAG = "val/confusion_matrix"
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _images_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if not isinstance(batch, Sequence) or len(batch) < 2:
-        raise TypeError("expected a validation batch of (images, targets)")
-    x, y = batch[0], batch[1]
-    return x, (y.argmax(dim=1) if y.ndim == 2 else y)
-
-
 def _vit(pl_module: L.LightningModule) -> Any:
     """The VisionTransformer inside the LightningModule (or the module itself)."""
     return getattr(pl_module, "model", pl_module)
-
-
-def _class_names(model: Any, num_classes: int) -> list[str]:
-    names = (getattr(model, "data_config", None) or {}).get("class_names")
-    return [str(n) for n in names] if names else [str(i) for i in range(num_classes)]
 
 
 def _short(name: str, n: int = 14) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
-def denormalize(x: torch.Tensor, data_config: Mapping[str, Any]) -> np.ndarray:
-    """Normalised images `[B, C, H, W]` -> RGB arrays `[B, H, W, 3]` in [0, 1] (data_config mean/std)."""
-    x = x.detach().float().cpu()
-    mean = torch.tensor(data_config.get("mean", (0.0, 0.0, 0.0)), dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(data_config.get("std", (1.0, 1.0, 1.0)), dtype=torch.float32).view(1, -1, 1, 1)
-    rgb = (x[:, :3] * std + mean).clamp(0.0, 1.0)
-    return rgb.permute(0, 2, 3, 1).numpy()
+def _rgb(pixels: torch.Tensor) -> np.ndarray:
+    """Pixels `[B, C, H, W]` -> RGB arrays `[B, H, W, 3]` in [0, 1]."""
+    return pixels[:, :3].detach().float().clamp(0.0, 1.0).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +73,7 @@ def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, tor
     if model.pool == "token":
         row = a[:, 0, prefix:]
     elif model.pool == "seq":
-        weights = model.attn_pool(model.forward_features(x)).float().softmax(dim=1)  # [B, N, 1], as pool_tokens
+        weights = model.seq_pool_weights(model.forward_features(x)).float()  # [B, N, 1]
         row = (weights.transpose(1, 2) @ a)[:, 0, prefix:]
     else:
         row = a[:, prefix:, prefix:].mean(dim=1)
@@ -286,7 +270,8 @@ class ValidationFigures(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        x, y = _images_targets(batch)
+        x, y = split_batch(batch)
+        y = y.argmax(dim=1) if y.ndim == 2 else y
         if trainer.is_global_zero and not self._frozen and self.num_images and not trainer.sanity_checking:
             self._collect(x, y)
         if self.confmat is None or trainer.sanity_checking:
@@ -388,8 +373,9 @@ class ValidationFigures(Callback):
         finally:
             model.train(was_training)
         preds = logits.argmax(dim=-1).cpu().tolist()
-        names = _class_names(model, logits.shape[-1])
-        rgb = denormalize(x, getattr(model, "data_config", {}) or {})
+        names = class_names(model, logits.shape[-1])
+        dc = getattr(model, "data_config", None) or {}
+        rgb = _rgb(denormalize(x, dc.get("mean"), dc.get("std")))
         step = trainer.global_step
         figs = {PREDICTIONS_TAG: plot_prediction_grid(rgb, y.tolist(), preds, names)}
         if heat is not None:
@@ -422,7 +408,7 @@ class ValidationFigures(Callback):
         matrix = self.confmat.compute().cpu()
         if trainer.is_global_zero:
             model = _vit(pl_module)
-            fig = plot_confusion_matrix(matrix, _class_names(model, matrix.shape[0]))
+            fig = plot_confusion_matrix(matrix, class_names(model, matrix.shape[0]))
             self._emit(trainer, CONFUSION_TAG, fig, trainer.global_step)
 
 
@@ -538,6 +524,6 @@ class MaskedPatchFigures(ValidationFigures):
             guess = patchify(pl_module._unnormalize(unpatchify(out.float(), p, grid)), p)
             title = "predicted pixels"
         filled = torch.where(chosen, guess, patches)
-        to_rgb = lambda t: denormalize(unpatchify(t, p, grid), {"mean": (0, 0, 0), "std": (1, 1, 1)})  # noqa: E731
-        fig = plot_masked_patches(to_rgb(patches), to_rgb(held), to_rgb(filled), c.kind.cpu().numpy(), grid, p, title)
+        rgb = [_rgb(unpatchify(t, p, grid)) for t in (patches, held, filled)]
+        fig = plot_masked_patches(*rgb, c.kind.cpu().numpy(), grid, p, title)
         self._emit(trainer, MPP_FIGURE_TAG, fig, trainer.global_step)
