@@ -340,15 +340,20 @@ def test_plots_write_pngs_of_the_expected_size(tmp_path):
 
 
 def large_photo(src: Path, tmp_path: Path) -> Path:
-    """A real photograph enlarged to a non-square 600x512 JPEG, so the commands resize and crop it."""
+    """An image enlarged to a non-square 600x512 JPEG, so the commands resize and crop it."""
     path = tmp_path / "large_photo.jpg"
     with Image.open(src) as img:
         img.convert("RGB").resize((600, 512), Image.BICUBIC).save(path, quality=90)
     return path
 
 
-def first_file(folder: Path) -> Path:
-    return sorted(p for p in folder.iterdir() if p.is_file())[0]
+def cat_and_ship(tmp_path: Path) -> list[Path]:
+    """Two generated 32x32 PNGs (what the commands do holds for any pixels) and the second enlarged."""
+    from helpers import image_tree
+
+    tree = image_tree(tmp_path / "images", ["cat", "ship"], 0, 1)
+    images = [next((tree / "val" / c).iterdir()) for c in ("cat", "ship")]
+    return [*images, large_photo(images[1], tmp_path)]
 
 
 @pytest.fixture
@@ -441,10 +446,8 @@ def check_commands(save, tmp_path: Path, images: list[Path], monkeypatch, **mode
     assert len(paths) == 3 and all(p.is_file() for p in paths)
 
 
-def test_commands_with_stub_io(stub_io, tmp_path, monkeypatch, cifar_subset):
-    images = [first_file(cifar_subset / "val" / "cat"), first_file(cifar_subset / "val" / "ship")]
-    images.append(large_photo(images[1], tmp_path))
-    check_commands(stub_io, tmp_path, images, monkeypatch)
+def test_commands_with_stub_io(stub_io, tmp_path, monkeypatch):
+    check_commands(stub_io, tmp_path, cat_and_ship(tmp_path), monkeypatch)
 
 
 def test_commands_gap_and_seq_models_with_stub_io(stub_io, tmp_path, monkeypatch):
@@ -473,7 +476,5 @@ def test_commands_name_unreadable_images(stub_io, tmp_path):
     assert len(commands.predict(ckpt, [str(gray)], topk=3)[0]) == 3
 
 
-def test_commands_end_to_end(real_io, tmp_path, monkeypatch, cifar_subset):
-    images = [first_file(cifar_subset / "val" / "cat"), first_file(cifar_subset / "val" / "ship")]
-    images.append(large_photo(images[1], tmp_path))
-    check_commands(real_io, tmp_path, images, monkeypatch)
+def test_commands_end_to_end(real_io, tmp_path, monkeypatch):
+    check_commands(real_io, tmp_path, cat_and_ship(tmp_path), monkeypatch)

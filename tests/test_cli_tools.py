@@ -1,5 +1,5 @@
 """The checkpoint tools through the real command line (`vitlab.cli.main`, and `python -m vitlab.cli` in a
-subprocess) on a tiny model trained here on real images: predict, explain, inspect, export."""
+subprocess) on a tiny model trained here on generated images: predict, explain, inspect, export."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from PIL import Image
 from vitlab import load_pretrained
 from vitlab.analysis import commands
 from vitlab.cli import main
-from helpers import subset_tree
+from helpers import image_tree
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,10 @@ RANK_LINE = re.compile(r"^\s+(\d+)\. (\S+)\s+([\d.]+)%$")
 
 
 @pytest.fixture(scope="module")
-def ckpt(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ViT (linear patch stem, class token) trained one epoch on cat/dog/ship through `vitlab fit`."""
     tmp = tmp_path_factory.mktemp("cli_tools")
-    data = subset_tree(cifar_subset, tmp / "data", CLASSES, 16, 4)
+    data = image_tree(tmp / "data", CLASSES, 16, 4)
     cfg = {
         "seed_everything": 0,
         "trainer": {"max_epochs": 1, "log_every_n_steps": 1, "enable_progress_bar": False,
@@ -71,10 +71,11 @@ def photo() -> Path:
 
 
 @pytest.fixture(scope="module")
-def images(cifar_subset: Path, photo: Path) -> list[Path]:
-    """One validation image of each trained class, one of a class the model never saw, the photograph."""
-    cifar = [sorted((cifar_subset / "val" / c).iterdir())[0] for c in [*CLASSES, "airplane"]]
-    return [*cifar, photo]
+def images(photo: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """One 32x32 image of each trained class (its colour, new noise), one of a class the model never saw,
+    the photograph."""
+    tree = image_tree(tmp_path_factory.mktemp("images"), [*CLASSES, "airplane"], 0, 1, seed=1)
+    return [*(next((tree / "val" / c).iterdir()) for c in [*CLASSES, "airplane"]), photo]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -134,7 +135,7 @@ def test_predict_prints_the_checkpoints_class_names(ckpt, images, capsys):
 
 
 def test_explain_writes_the_figure(ckpt, images, photo, tmp_path, monkeypatch, capsys):
-    for image in (images[0], photo):  # a 32x32 CIFAR image and the full-size photograph
+    for image in (images[0], photo):  # a 32x32 image and the full-size photograph
         out = tmp_path / "out" / f"{image.stem}.png"
         assert main(["explain", "--ckpt", str(ckpt), "--image", str(image), "--out", str(out)]) == 0
         assert capsys.readouterr().out.strip() == str(out)

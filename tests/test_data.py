@@ -1,4 +1,7 @@
-"""vitlab.data on real files: folder layouts, bad images, shard splitting over ranks x workers, HF, transforms."""
+"""vitlab.data on files: folder layouts, bad images, shard splitting over ranks x workers, HF, transforms.
+
+Generated images (helpers.image_tree, helpers.shard_tree) in the shared data's layouts: the checks here
+hold for any pixels, so they run without ../shared."""
 
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from vitlab.data import (
 from vitlab.data.loaders import EpochLoader, EqualBatchSampler
 from vitlab.data.shards import ShardStream, key_in_val, split_range
 
+from helpers import image_tree, shard_tree
+
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 SMALL = dict(img_size=32, batch_size=4, num_workers=0, train_crop="pad", crop_pct=1.0)
 
@@ -48,11 +53,29 @@ def make_tree(
     subset: Path, root: Path, classes: list[str], n_train: int, n_val: int | None, train: str = "train",
     val: str = "val",
 ) -> Path:  # fmt: skip
-    """A small class-per-folder tree of symlinks into the shared subset (val=None: flat 21k layout)."""
+    """A small class-per-folder tree of symlinks into `subset` (val=None: flat 21k layout)."""
     for c in classes:
         link_files(subset / "train" / c, root / train / c if train else root / c, n_train)
         if n_val:
             link_files(subset / "val" / c, root / val / c, n_val)
+    return root
+
+
+@pytest.fixture(scope="module")
+def subset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CIFAR subset's layout, generated: train/<class> 20 and val/<class> 5 32x32 PNGs per class."""
+    return image_tree(tmp_path_factory.mktemp("subset"), CLASSES, 20, 5)
+
+
+SHARDS, PER_SHARD = 10, 100  # the CIFAR shards' layout (10 equal shards, classes mixed), 1,000 samples
+N = SHARDS * PER_SHARD
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated webdataset shards as the CIFAR train shards: `KEY.jpg` + `KEY.cls`, classes.txt, .tar.gz."""
+    root = tmp_path_factory.mktemp("shards") / "shards"
+    shard_tree(root, CLASSES, SHARDS, PER_SHARD)
     return root
 
 
@@ -64,9 +87,9 @@ def batches(loader: DataLoader) -> list:
 
 
 @pytest.mark.parametrize("names", [("train", "val"), ("imagenet21k_train", "imagenet21k_val")])
-def test_folder_split_layouts(cifar_subset: Path, tmp_path: Path, names: tuple[str, str]) -> None:
+def test_folder_split_layouts(subset: Path, tmp_path: Path, names: tuple[str, str]) -> None:
     classes = ["cat", "airplane", "dog"]
-    root = make_tree(cifar_subset, tmp_path / "d", classes, 5, 2, *names)
+    root = make_tree(subset, tmp_path / "d", classes, 5, 2, *names)
     dm = ImageFolderDataModule(str(root), **SMALL)
     assert dm.class_names == ["airplane", "cat", "dog"]  # sorted folder names, before setup
     assert dm.num_classes == 3
@@ -82,12 +105,12 @@ def test_folder_split_layouts(cifar_subset: Path, tmp_path: Path, names: tuple[s
                        class_names=["airplane", "cat", "dog"])  # fmt: skip
 
 
-def test_folder_test_split_is_what_vitlab_test_scores(cifar_subset: Path, tmp_path: Path) -> None:
+def test_folder_test_split_is_what_vitlab_test_scores(subset: Path, tmp_path: Path) -> None:
     """root/test beside root/train: kept out of fit (val stays val/), scored by test_dataloader."""
     classes = ["cat", "dog"]
-    root = make_tree(cifar_subset, tmp_path / "d", classes, 4, 2)
+    root = make_tree(subset, tmp_path / "d", classes, 4, 2)
     for c in classes:
-        link_files(cifar_subset / "val" / c, root / "test" / c, 3, offset=2)  # files val/ does not hold
+        link_files(subset / "val" / c, root / "test" / c, 3, offset=2)  # files val/ does not hold
     dm = ImageFolderDataModule(str(root), **SMALL)
     dm.setup("fit")
     test_files = sorted(str(p) for p in (root / "test").rglob("*.png"))
@@ -99,19 +122,19 @@ def test_folder_test_split_is_what_vitlab_test_scores(cifar_subset: Path, tmp_pa
 
     # Without a train folder, "test" is a class of the flat layout, not a split.
     flat = tmp_path / "flat"
-    link_files(cifar_subset / "train" / "cat", flat / "test", 5)
-    link_files(cifar_subset / "train" / "ship", flat / "ship", 5)
+    link_files(subset / "train" / "cat", flat / "test", 5)
+    link_files(subset / "train" / "ship", flat / "ship", 5)
     fdm = ImageFolderDataModule(str(flat), val_fraction=0.2, **SMALL)
     fdm.setup("fit")
     assert fdm.class_names == ["ship", "test"] and fdm.test_dataset is None
 
-    link_files(cifar_subset / "val" / "ship", root / "test" / "ship", 1)
+    link_files(subset / "val" / "ship", root / "test" / "ship", 1)
     with pytest.raises(ValueError, match=r"test classes in .*test differ.*only in test: \['ship'\]"):
         ImageFolderDataModule(str(root), **SMALL).setup("fit")
 
 
-def test_folder_flat_21k_heldout_is_deterministic(cifar_subset: Path, tmp_path: Path) -> None:
-    root = make_tree(cifar_subset, tmp_path / "flat", ["bird", "frog", "ship"], 20, None, train="")
+def test_folder_flat_21k_heldout_is_deterministic(subset: Path, tmp_path: Path) -> None:
+    root = make_tree(subset, tmp_path / "flat", ["bird", "frog", "ship"], 20, None, train="")
     splits = []
     for _ in range(2):
         dm = ImageFolderDataModule(str(root), val_fraction=0.2, **SMALL)
@@ -132,8 +155,8 @@ def test_folder_flat_21k_heldout_is_deterministic(cifar_subset: Path, tmp_path: 
     assert nov.val_dataset is None and nov.val_dataloader() == []
 
 
-def test_folder_image_modes_load_as_rgb(cifar_subset: Path, tmp_path: Path) -> None:
-    src = sorted((cifar_subset / "train" / "cat").iterdir())[:6]
+def test_folder_image_modes_load_as_rgb(subset: Path, tmp_path: Path) -> None:
+    src = sorted((subset / "train" / "cat").iterdir())[:6]
     root = tmp_path / "modes"
     (root / "train" / "cat").mkdir(parents=True)
     modes = {"L": "png", "P": "png", "RGBA": "png", "LA": "png", "1": "png", "CMYK": "jpg"}
@@ -150,32 +173,32 @@ def test_folder_image_modes_load_as_rgb(cifar_subset: Path, tmp_path: Path) -> N
         assert x.shape == (3, 32, 32) and y == 0
 
 
-def test_folder_errors(cifar_subset: Path, tmp_path: Path) -> None:
+def test_folder_errors(subset: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=rf"{missing}.*does not exist.*train/<class>"):
         ImageFolderDataModule(str(missing), **SMALL).setup("fit")
 
-    empty = make_tree(cifar_subset, tmp_path / "empty", ["cat", "dog"], 3, 1)
+    empty = make_tree(subset, tmp_path / "empty", ["cat", "dog"], 3, 1)
     (empty / "train" / "emu").mkdir()
     (empty / "val" / "emu").mkdir()
     (empty / "train" / "emu" / "notes.txt").write_text("not an image")
     with pytest.raises(FileNotFoundError, match="without images.*emu"):
         ImageFolderDataModule(str(empty), **SMALL).setup("fit")
 
-    mism = make_tree(cifar_subset, tmp_path / "mism", ["cat", "dog"], 3, 1)
+    mism = make_tree(subset, tmp_path / "mism", ["cat", "dog"], 3, 1)
     shutil.rmtree(mism / "val" / "dog")
-    link_files(cifar_subset / "val" / "ship", mism / "val" / "ship", 1)
+    link_files(subset / "val" / "ship", mism / "val" / "ship", 1)
     with pytest.raises(ValueError, match=r"missing from val: \['dog'\]; only in val: \['ship'\]"):
         ImageFolderDataModule(str(mism), **SMALL).setup("fit")
 
-    ok = make_tree(cifar_subset, tmp_path / "ok", ["cat", "dog"], 3, 1)
+    ok = make_tree(subset, tmp_path / "ok", ["cat", "dog"], 3, 1)
     with pytest.raises(ValueError, match=r"num_classes=5 .* 2 classes"):
         ImageFolderDataModule(str(ok), num_classes=5, **SMALL).setup("fit")
     assert ImageFolderDataModule(str(ok), num_classes=2, **SMALL).num_classes == 2
 
 
-def test_folder_bad_images(cifar_subset: Path, tmp_path: Path) -> None:
-    root = make_tree(cifar_subset, tmp_path / "bad", ["cat"], 4, None)
+def test_folder_bad_images(subset: Path, tmp_path: Path) -> None:
+    root = make_tree(subset, tmp_path / "bad", ["cat"], 4, None)
     d = root / "train" / "cat"
     good = sorted(d.iterdir())[0].read_bytes()
     (d / "a_zero.png").write_bytes(b"")
@@ -229,15 +252,15 @@ def test_shard_split_arithmetic(world_size: int, num_workers: int, batch_size: i
             assert nbatches == [-(-per_rank // batch_size)] * world_size
 
 
-def test_shards_every_sample_once_over_2_ranks_x_2_workers(cifar_shards: Path) -> None:
+def test_shards_every_sample_once_over_2_ranks_x_2_workers(shards: Path) -> None:
     """Two simulated ranks, each with 2 persistent workers, two epochs; keys and labels only (no decoding)."""
-    dm = ShardDataModule(str(cifar_shards), val_fraction=0.0, img_size=32, batch_size=500, num_workers=2)
+    dm = ShardDataModule(str(shards), val_fraction=0.0, img_size=32, batch_size=10, num_workers=2)
     assert dm.class_names == CLASSES  # from classes.txt, no scan
     loaders = []
     for rank in range(2):
         stream = dm.dataset("train", rank=rank, world_size=2, decode=False)
         loaders.append(EpochLoader(stream, batch_size=stream.batch_size, num_workers=2, persistent_workers=True))
-        assert len(stream) == 25_000 and len(loaders[-1]) == 100
+        assert len(stream) == N // 2 and len(loaders[-1]) == 100  # 500 per rank, 5 per device
     rank0_keys = []
     for epoch in range(2):
         seen: collections.Counter = collections.Counter()
@@ -253,42 +276,45 @@ def test_shards_every_sample_once_over_2_ranks_x_2_workers(cifar_shards: Path) -
                     rank0_keys.append(set(keys))
             per_rank.append(n)
         assert per_rank == [100, 100]
-        assert len(seen) == 50_000 and set(seen.values()) == {1}
-        assert collections.Counter(labels.values()) == {c: 5000 for c in range(10)}
+        assert len(seen) == N and set(seen.values()) == {1}
+        assert collections.Counter(labels.values()) == {c: N // 10 for c in range(10)}
         assert all(k.startswith(CLASSES[y]) for k, y in labels.items())  # keys are "<class>_<n>"
     # the persistent workers saw the new epoch: rank 0 read other shards, in another order
     assert set().union(*rank0_keys[:100]) != set().union(*rank0_keys[100:])
 
 
-def test_shards_num_samples_is_checked(cifar_shards: Path) -> None:
+def test_shards_num_samples_is_checked(shards: Path) -> None:
     """num_samples skips counting; a wrong value is caught while reading, not silently mis-split."""
     def read(num_samples: int) -> int:
-        dm = ShardDataModule(str(cifar_shards), val_fraction=0.0, num_samples=num_samples, img_size=32, batch_size=8)
+        dm = ShardDataModule(str(shards), val_fraction=0.0, num_samples=num_samples, img_size=32, batch_size=8)
         stream = dm.dataset("train", rank=0, world_size=8, decode=False)
         return sum(1 for _ in stream)
 
-    assert read(50_000) == 6250
-    with pytest.raises(RuntimeError, match=r"holds more than the 4900 samples"):
-        read(49_000)
-    with pytest.raises(RuntimeError, match=r"ended after 5000 samples but was indexed with 6000"):
-        read(60_000)
+    assert read(N) == N // 8
+    with pytest.raises(RuntimeError, match=r"holds more than the 96 samples"):
+        read(N - 40)  # 10 shards assumed to hold 96 each
+    with pytest.raises(RuntimeError, match=r"ended after 100 samples but was indexed with 140"):
+        read(N + 400)
 
 
-def test_shards_reshuffle_per_epoch_and_heldout(cifar_shards: Path) -> None:
-    dm = ShardDataModule(str(cifar_shards), img_size=32, batch_size=64, num_workers=0, shuffle_buffer=64,
+def test_shards_reshuffle_per_epoch_and_heldout(shards: Path) -> None:
+    dm = ShardDataModule(str(shards), img_size=32, batch_size=64, num_workers=0, shuffle_buffer=64,
                          train_crop="pad", crop_pct=1.0)  # fmt: skip
     train, val = dm.dataset("train", decode=False), dm.dataset("val", decode=False)
-    assert 800 < len(val) < 1200 and len(train) + len(val) == 50_000  # ~2% by key hash
+    keys = [n.removesuffix(".cls") for f in sorted(shards.glob("*.tar.gz")) for n in tarfile.open(f).getnames()
+            if n.endswith(".cls")]  # fmt: skip
+    assert len(val) == sum(key_in_val(k, 0.02) for k in keys) and len(train) + len(val) == N
+    assert 0.01 * N < len(val) < 0.03 * N  # ~2% by key hash
     first = [s for s, _, _ in train.pieces(0)]
     assert first != [s for s, _, _ in train.pieces(1)] and sorted(first) == list(range(10))
     it = iter(val)
-    val_keys = {next(it)[0] for _ in range(20)}
-    train_head = [k for k, _ in zip((k for k, _ in iter(train)), range(3000))]
+    val_keys = {next(it)[0] for _ in range(10)}
+    train_head = [k for k, _ in zip((k for k, _ in iter(train)), range(N // 2))]
     assert all(key_in_val(k, 0.02) for k in val_keys) and not any(key_in_val(k, 0.02) for k in train_head)
     train.set_epoch(1)
     assert [k for k, _ in zip((k for k, _ in iter(train)), range(50))] != train_head[:50]
 
-    dm = ShardDataModule(str(cifar_shards), img_size=32, batch_size=8, num_workers=0, shuffle_buffer=16,
+    dm = ShardDataModule(str(shards), img_size=32, batch_size=8, num_workers=0, shuffle_buffer=16,
                          mixup_alpha=0.8, train_crop="pad", crop_pct=1.0)  # fmt: skip
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
@@ -307,8 +333,8 @@ def _write_shard(path: Path, samples: list[tuple[str, str, bytes, int]]) -> None
                 tf.addfile(info, io.BytesIO(payload))
 
 
-def test_shards_bad_images(cifar_subset: Path, tmp_path: Path) -> None:
-    files = sorted((cifar_subset / "train" / "dog").iterdir())[:6]
+def test_shards_bad_images(subset: Path, tmp_path: Path) -> None:
+    files = sorted((subset / "train" / "dog").iterdir())[:6]
     good = [(f"k{i}", "png", f.read_bytes(), 5) for i, f in enumerate(files)]
     shard_dir = tmp_path / "shards"
     shard_dir.mkdir()
@@ -333,8 +359,8 @@ def test_shards_bad_images(cifar_subset: Path, tmp_path: Path) -> None:
 # ---- HF datasets -----------------------------------------------------------------------------------
 
 
-def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
-    root = make_tree(cifar_subset, tmp_path / "hf", ["cat", "dog", "ship"], 6, 2, "train", "validation")
+def test_hf_imagefolder(subset: Path, tmp_path: Path) -> None:
+    root = make_tree(subset, tmp_path / "hf", ["cat", "dog", "ship"], 6, 2, "train", "validation")
     dm = HFDataModule("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / "cache"), **SMALL)
     assert dm.class_names == ["cat", "dog", "ship"]
     dm.setup("fit")
@@ -347,7 +373,7 @@ def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
 
     # A test split is what `vitlab test` scores, and model selection never sees it.
     for c in ["cat", "dog", "ship"]:
-        link_files(cifar_subset / "val" / c, tmp_path / "hf_test" / "test" / c, 3, offset=2)
+        link_files(subset / "val" / c, tmp_path / "hf_test" / "test" / c, 3, offset=2)
         shutil.copytree(root / "train" / c, tmp_path / "hf_test" / "train" / c, symlinks=True)
         shutil.copytree(root / "validation" / c, tmp_path / "hf_test" / "validation" / c, symlinks=True)
     with_test = HFDataModule("imagefolder", data_dir=str(tmp_path / "hf_test"), cache_dir=str(tmp_path / "cache"),
@@ -366,15 +392,15 @@ def test_hf_imagefolder(cifar_subset: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_hf_streaming_gives_every_rank_the_same_batches(cifar_subset: Path, tmp_path: Path, num_workers: int) -> None:
+def test_hf_streaming_gives_every_rank_the_same_batches(subset: Path, tmp_path: Path, num_workers: int) -> None:
     """17 train and 7 validation images streamed over 2 ranks (neither divides): every rank must yield
     the same number of batches (8 images: 4 of the per-device 2), or DDP waits forever at the epoch's end;
     no image on two ranks, at most world_size - 1 dropped."""
     root = tmp_path / "hf"
-    link_files(cifar_subset / "train" / "cat", root / "train" / "cat", 9)
-    link_files(cifar_subset / "train" / "dog", root / "train" / "dog", 8)
-    link_files(cifar_subset / "val" / "cat", root / "validation" / "cat", 4)
-    link_files(cifar_subset / "val" / "dog", root / "validation" / "dog", 3)
+    link_files(subset / "train" / "cat", root / "train" / "cat", 9)
+    link_files(subset / "train" / "dog", root / "train" / "dog", 8)
+    link_files(subset / "val" / "cat", root / "validation" / "cat", 4)
+    link_files(subset / "val" / "dog", root / "validation" / "dog", 3)
     kw = {**SMALL, "num_workers": num_workers, "auto_augment": None}
     train_sizes, val_images = [], []
     for rank in (0, 1):
@@ -392,12 +418,12 @@ def test_hf_streaming_gives_every_rank_the_same_batches(cifar_subset: Path, tmp_
 # ---- transforms, collate, batch arithmetic, CIFAR --------------------------------------------------
 
 
-def test_eval_transform_pil_and_tensor(cifar_subset: Path) -> None:
+def test_eval_transform_pil_and_tensor(subset: Path) -> None:
     from vitlab.models import VisionTransformer
 
     model = VisionTransformer(img_size=48, patch_size=16, num_classes=10, embed_dim=32, depth=1, num_heads=2)
     t = eval_transform(model)
-    img = Image.open(sorted((cifar_subset / "val" / "cat").iterdir())[0])
+    img = Image.open(sorted((subset / "val" / "cat").iterdir())[0])
     for x in (img, img.convert("L"), img.convert("RGBA"), img.convert("P")):
         out = t(x)
         assert out.shape == (3, 48, 48) and out.dtype == torch.float32
@@ -417,8 +443,8 @@ def test_eval_transform_pil_and_tensor(cifar_subset: Path) -> None:
     torch.testing.assert_close(grey, torch.full((3, 224, 224), 128 / 255 * 2 - 1))
 
 
-def test_train_transform_modes(cifar_subset: Path) -> None:
-    img = Image.open(sorted((cifar_subset / "train" / "cat").iterdir())[0])
+def test_train_transform_modes(subset: Path) -> None:
+    img = Image.open(sorted((subset / "train" / "cat").iterdir())[0])
     variants = (
         dict(train_crop="rrc"), dict(train_crop="pad"), dict(auto_augment="trivialaugment"), dict(auto_augment=None),
     )  # fmt: skip
@@ -483,11 +509,11 @@ def test_mixup_cutmix_mixes_images_and_targets_in_the_same_proportions(mixup: fl
     assert torch.equal(x[:, 0, 0, 0], torch.tensor([1.0, 2, 3, 4, 5, 1, 2, 3]))
 
 
-def test_global_batch_per_device(cifar_subset: Path, tmp_path: Path) -> None:
+def test_global_batch_per_device(subset: Path, tmp_path: Path) -> None:
     assert per_device_batch(256, 4) == 64 and per_device_batch(256, 1) == 256
     with pytest.raises(ValueError, match=r"batch_size=250 is the GLOBAL batch.*world_size=4.*248 or 252"):
         per_device_batch(250, 4)
-    root = make_tree(cifar_subset, tmp_path / "b", ["cat", "dog"], 8, 2)
+    root = make_tree(subset, tmp_path / "b", ["cat", "dog"], 8, 2)
     dm = ImageFolderDataModule(str(root), **{**SMALL, "batch_size": 8})
     dm.trainer = SimpleNamespace(world_size=4, global_rank=1, num_devices=4, current_epoch=0)
     dm.setup("fit")
@@ -508,7 +534,7 @@ def test_cifar_missing_names_the_folder(tmp_path: Path) -> None:
 
 
 def fake_cifar10(subset: Path, root: Path, n_train: int, n_test: int) -> tuple[np.ndarray, np.ndarray]:
-    """torchvision's CIFAR-10 python layout under `root`, from real subset images: `n_train` per class
+    """torchvision's CIFAR-10 python layout under `root`, from the subset's images: `n_train` per class
     in data_batch_1 (batches 2-5 empty) and `n_test` per class (from the subset's val/) in test_batch.
     Returns (train pixels [N, 3072], test pixels) in file order."""
     folder = root / "cifar-10-batches-py"
@@ -540,13 +566,13 @@ def raw_pixels(loader: DataLoader) -> np.ndarray:
 
 
 def test_cifar_selects_models_on_held_out_train_images_and_tests_on_the_test_split(
-    cifar_subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    subset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torchvision.datasets.cifar
 
     # The files are ours, not the release: skip torchvision's md5 checks.
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
-    train_px, test_px = fake_cifar10(cifar_subset, tmp_path / "data", n_train=20, n_test=5)
+    train_px, test_px = fake_cifar10(subset, tmp_path / "data", n_train=20, n_test=5)
     kw = dict(root=str(tmp_path / "data"), download=False, batch_size=16, num_workers=0, mean=(0, 0, 0),
               std=(1, 1, 1), auto_augment=None, hflip=False)  # fmt: skip
     dm = CIFARDataModule(**kw)
@@ -576,7 +602,7 @@ def test_cifar_selects_models_on_held_out_train_images_and_tests_on_the_test_spl
         CIFARDataModule(**kw, val_fraction=0.0)
 
 
-def test_fit_with_lightning(cifar_subset: Path, cifar_shards: Path, tmp_path: Path) -> None:
+def test_fit_with_lightning(subset: Path, shards: Path, tmp_path: Path) -> None:
     """The DataModules under a real Trainer: loaders, lengths and the epoch hand-off."""
     import lightning as L
 
@@ -599,8 +625,8 @@ def test_fit_with_lightning(cifar_subset: Path, cifar_shards: Path, tmp_path: Pa
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    root = make_tree(cifar_subset, tmp_path / "f", CLASSES, 2, 1)
-    shards = ShardDataModule(str(cifar_shards), img_size=32, batch_size=16, num_workers=0, shuffle_buffer=32,
+    root = make_tree(subset, tmp_path / "f", CLASSES, 2, 1)
+    shards = ShardDataModule(str(shards), img_size=32, batch_size=16, num_workers=0, shuffle_buffer=32,
                              train_crop="pad", crop_pct=1.0, mixup_alpha=0.5)  # fmt: skip
     for dm in (ImageFolderDataModule(str(root), **SMALL), shards):
         probe = Probe()
@@ -626,24 +652,24 @@ def test_equal_batch_sampler_splits_without_repeats_into_equal_counts() -> None:
         EqualBatchSampler(3, 2, 1, 1)
 
 
-def test_in_memory_loaders_use_the_distributed_samplers(cifar_shards: Path) -> None:
+def test_in_memory_loaders_use_the_distributed_samplers(shards: Path) -> None:
     """In-memory shards on 2 ranks: under a collective-forward strategy (FSDP) every rank runs the same
     number of validation batches and each held-out image is scored once; training takes the
     (seed, epoch) DistributedSampler, disjoint between ranks, that a resumed rank replays exactly."""
     from torch.utils.data import DistributedSampler
 
-    shard = str(cifar_shards / "cifar10-train-000000.tar.gz")
+    shard = str(shards / "shards-000000.tar.gz")
     loaders = []
     for rank in range(2):
-        # 247 held-out images, 41 per device: an unpadded split would give rank 0 4 batches, rank 1 3
-        dm = ShardDataModule(shard, val_fraction=0.05, in_memory=True, img_size=32, batch_size=82, num_workers=0,
+        # 17 held-out images, 4 per device: an unpadded split would give rank 0 3 batches, rank 1 2
+        dm = ShardDataModule(shard, val_fraction=0.15, in_memory=True, img_size=32, batch_size=8, num_workers=0,
                              auto_augment=None, crop_pct=1.0)  # fmt: skip
         dm.trainer = SimpleNamespace(world_size=2, global_rank=rank, strategy=object(), training=False)
         dm.setup("fit")
         loaders.append((dm, dm.val_dataloader(), dm.train_dataloader()))
     n_val = len(loaders[0][0].val_dataset)
     val_batches = [list(val) for _, val, _ in loaders]  # uint8, as decoded (normalised on the device later)
-    assert n_val == 247 and len(val_batches[0]) == len(val_batches[1]) == 4
+    assert n_val == 17 and len(val_batches[0]) == len(val_batches[1]) == 3
     seen = torch.cat([x for rank in val_batches for x, _ in rank])
     assert seen.shape[0] == n_val  # every held-out image once over both ranks, none padded
     whole = loaders[0][0].val_dataset
@@ -653,10 +679,10 @@ def test_in_memory_loaders_use_the_distributed_samplers(cifar_shards: Path) -> N
     assert all(isinstance(s, DistributedSampler) for s in samplers)
     orders = [list(s) for s in samplers]
     n_train = len(loaders[0][0].train_dataset)
-    assert len(orders[0]) == len(orders[1]) == math.ceil(n_train / 2)  # 4753 images: one repeated to pad
+    assert len(orders[0]) == len(orders[1]) == math.ceil(n_train / 2)  # 83 images: one repeated to pad
     assert len(set(orders[0]) | set(orders[1])) == n_train and len(set(orders[0]) & set(orders[1])) <= 1
     for s in samplers:
         s.set_epoch(1)
     assert [list(s) for s in samplers] != orders  # reshuffled per epoch, from (seed, epoch) alone
     x, y = next(iter(loaders[0][2]))
-    assert x.dtype == torch.uint8 and x.shape == (41, 3, 32, 32) and y.shape == (41,)
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, 32, 32) and y.shape == (4,)

@@ -1,5 +1,6 @@
 """`export`: each format's logits in its own runtime (transformers, timm, ONNX Runtime) equal vitlab's
-on real CIFAR images; the HF round trip keeps every tensor; options a format cannot express and a
+(on generated images: the weights' mapping shows on any pixels), and transformers' processor prepares real
+CIFAR images as vitlab does; the HF round trip keeps every tensor; options a format cannot express and a
 missing ONNX install fail with a message that says what to do."""
 
 from __future__ import annotations
@@ -39,14 +40,21 @@ def _files(root: Path, per_class: int = 1) -> list[Path]:
     return [f for c in CLASSES for f in sorted((root / "val" / c).iterdir())[:per_class]]
 
 
-@pytest.fixture(scope="module")
-def images(cifar_subset: Path) -> torch.Tensor:
-    """One validation image per class, prepared by vitlab's own evaluation transform."""
+def _prepared(files: list[Path]) -> torch.Tensor:
+    """The images prepared by vitlab's own evaluation transform."""
     tf = vitlab.eval_transform({"img_size": [32, 32], "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 1.0})
-    return torch.stack([tf(Image.open(f)) for f in _files(cifar_subset)])
+    return torch.stack([tf(Image.open(f)) for f in files])
 
 
-def test_hf_export_runs_in_transformers(images, cifar_subset, tmp_path):
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """One generated 32x32 validation image per class, prepared by vitlab's own evaluation transform."""
+    from helpers import image_tree
+
+    return _prepared(_files(image_tree(tmp_path_factory.mktemp("images"), CLASSES, 0, 1)))
+
+
+def test_hf_export_runs_in_transformers(images, tmp_path):
     model = _model()
     out = export(model, "hf", tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "preprocessor_config.json"]
@@ -55,11 +63,15 @@ def test_hf_export_runs_in_transformers(images, cifar_subset, tmp_path):
         torch.testing.assert_close(peer(pixel_values=images).logits, model(images), atol=TOL, rtol=0)
     assert peer.config.id2label == dict(enumerate(CLASSES))
     assert (peer.config.image_size, peer.config.patch_size, peer.config.layer_norm_eps) == (32, 4, 1e-6)
+
+
+def test_hf_processor_prepares_real_images_as_vitlab_does(cifar_subset, tmp_path):
     # transformers' processor prepares real images as vitlab's eval transform does (PIL resize on both sides)
+    out = export(_model(), "hf", tmp_path / "hf")
     processor = AutoImageProcessor.from_pretrained(out, use_fast=False)
     pil = [Image.open(f).convert("RGB") for f in _files(cifar_subset)]
     pixels = torch.as_tensor(np.stack(processor(pil)["pixel_values"]))
-    torch.testing.assert_close(pixels, images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pixels, _prepared(_files(cifar_subset)), atol=1e-5, rtol=0)
 
 
 def test_hf_preprocessor_states_size_crop_and_resample(tmp_path):

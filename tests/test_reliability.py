@@ -2,7 +2,7 @@
 early, checkpoints load safely, and no credential lands in a run's files.
 
 Training runs go through the real CLI: as a subprocess wherever a signal or a kill is involved, in-process
-(`vitlab.cli.main`) elsewhere. Tiny ViT, 3 CIFAR classes x 20 images, CPU, num_workers=0.
+(`vitlab.cli.main`) elsewhere. Tiny ViT, 3 generated classes x 20 images, CPU, num_workers=0.
 
 The subprocesses import this module (PYTHONPATH=tests/) for a checkpoint writer that pauses halfway through
 each write, so a kill lands mid-write.
@@ -68,16 +68,11 @@ class SlowAtomicIO(AtomicCheckpointIO):
 
 
 @pytest.fixture(scope="module")
-def tiny_data(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 classes: 20 train and 6 val images each, symlinked from the real CIFAR subset."""
-    root = tmp_path_factory.mktemp("tiny_cifar")
-    classes = sorted(p.name for p in (cifar_subset / "train").iterdir() if p.is_dir())[:3]
-    for split, n in (("train", 20), ("val", 6)):
-        for c in classes:
-            (root / split / c).mkdir(parents=True)
-            for src in sorted((cifar_subset / split / c).iterdir())[:n]:
-                (root / split / c / src.name).symlink_to(src)
-    return root
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes: 20 train and 6 val generated 32x32 images each (what is tested holds for any pixels)."""
+    from helpers import image_tree
+
+    return image_tree(tmp_path_factory.mktemp("tiny_data"), ["airplane", "automobile", "bird"], 20, 6)
 
 
 def write_config(

@@ -5,7 +5,7 @@ periodic save) and resumed with `--ckpt_path last` ends with the very weights of
 - with 2 DDP ranks (and a worker each), each rank resuming its own loader position and streams.
 
 Equal means bit-equal: same data order, same augmentation, same arithmetic (deterministic CPU
-kernels, gloo sums two ranks in a fixed order). Tiny ViT, 3 CIFAR classes x 12 images, the real CLI.
+kernels, gloo sums two ranks in a fixed order). Tiny ViT, 3 generated classes x 12 images, the real CLI.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import subset_tree
+from helpers import image_tree
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,8 @@ SAVE_EVERY = 2
 
 
 @pytest.fixture(scope="module")
-def data(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return subset_tree(cifar_subset, tmp_path_factory.mktemp("resume") / "data", CLASSES, 12, 4)
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return image_tree(tmp_path_factory.mktemp("resume") / "data", CLASSES, 12, 4)
 
 
 def write_config(path: Path, root: Path, num_workers: int) -> Path:

@@ -1,5 +1,6 @@
 """vitlab's main job on real data: Tiny-ImageNet-200 pretraining, Imagenette fine-tuning at a higher
-resolution, the shard-folder layouts DATA= takes, and the in-memory data path behind both recipes."""
+resolution, the shard-folder layouts DATA= takes (their errors on generated shards, without ../shared),
+and the in-memory data path behind both recipes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from vitlab.cli import VitlabCLI, _data_args
 from vitlab.data import ShardDataModule
 from vitlab.data.memory import BatchAugment, crop_resize, sample_crop_boxes
 from vitlab.data.shards import _raw_samples, expand_shards
+
+from helpers import shard_tree
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "recipes/pretrain/tinyimagenet_vit_cpu.yaml"
@@ -50,6 +53,15 @@ def test_train_and_val_shard_folders_give_both_splits_and_the_class_names(
     assert (len(train), len(val)) == (60_000, 10_000)  # the README's counts, the official val split whole
 
 
+@pytest.fixture
+def tin_layout(tmp_path: Path) -> Path:
+    """Tiny-ImageNet's layout, generated: train/ and val/ shard folders, each with the same classes.txt."""
+    names = ["goldfish", "European fire salamander", "bullfrog"]  # the first lines of the real classes.txt
+    for split in ("train", "val"):
+        shard_tree(tmp_path / "tin" / split, names, num_shards=1, per_shard=6)
+    return tmp_path / "tin"
+
+
 def link_shards(src: Path, dst: Path, n: int = 1) -> Path:
     dst.mkdir(parents=True)
     for shard in sorted(src.glob("*.tar.gz"))[:n]:
@@ -59,17 +71,17 @@ def link_shards(src: Path, dst: Path, n: int = 1) -> Path:
     return dst
 
 
-def test_bad_shard_layouts_name_what_was_expected(tinyimagenet_shards: Path, tmp_path: Path) -> None:
+def test_bad_shard_layouts_name_what_was_expected(tin_layout: Path, tmp_path: Path) -> None:
     # val/ without shards
     root = tmp_path / "no_val_shards"
-    link_shards(tinyimagenet_shards / "train", root / "train")
+    link_shards(tin_layout / "train", root / "train")
     (root / "val").mkdir()
     with pytest.raises(SystemExit, match=r"holds shards but .*val does not; put the validation shards there"):
         _data_args(str(root))
     # val/classes.txt naming other classes: the labels would index a different list
     root = tmp_path / "mismatch"
-    link_shards(tinyimagenet_shards / "train", root / "train")
-    link_shards(tinyimagenet_shards / "val", root / "val")
+    link_shards(tin_layout / "train", root / "train")
+    link_shards(tin_layout / "val", root / "val")
     names = lines(root / "val/classes.txt")
     (root / "val/classes.txt").write_text("\n".join([names[1], names[0], *names[2:]]) + "\n")
     with pytest.raises(SystemExit, match=r"classes.txt differ \(line 1: 'goldfish' vs 'European fire salamander'\)"):
@@ -89,7 +101,7 @@ def test_bad_shard_layouts_name_what_was_expected(tinyimagenet_shards: Path, tmp
         VitlabCLI(args=args, run=False).datamodule.setup("fit")
     # a held-out split when there is no val/ folder: train/ alone is taken, val_fraction applies
     root = tmp_path / "train_only"
-    link_shards(tinyimagenet_shards / "train", root / "train")
+    link_shards(tin_layout / "train", root / "train")
     assert _data_args(str(root)) == [
         "--data=vitlab.data.ShardDataModule", f"--data.train_shards={root / 'train'}", "--data.val_shards=null"
     ]  # fmt: skip
