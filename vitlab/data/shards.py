@@ -17,13 +17,10 @@ divides by ranks x workers, ranks would get different sample counts (a DDP hang 
 or whole shards dropped or repeated). The range split serves any shard count, more or fewer than
 ranks x workers, at the cost of at most one partly skipped shard per piece.
 
-This needs the per-shard sample counts up front. They are read once (one pass over the tar headers
-and keys) into `shardindex.json`, the wids shard-index format, beside the shards or in the user's
-cache folder (vitlab.data.shard_index); later starts, and every DDP rank but the one that wrote it
-(`prepare_data`), read the index and stat the shards instead of reading them. Or, for huge
-collections, `num_samples` (all shards full but the last, as webdataset's ShardWriter writes them,
-checked while reading). A held-out validation split (no `val_shards`) is chosen by hashing each
-sample's key.
+This needs the per-shard sample counts up front: counted once into `shardindex.json` (wids' format;
+vitlab.data.shard_index), or, for huge collections, `num_samples` (all shards full but the last, as
+webdataset's ShardWriter writes them, checked while reading). A held-out validation split (no
+`val_shards`) is chosen by hashing each sample's key.
 """
 
 from __future__ import annotations
@@ -519,11 +516,8 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         )  # fmt: skip
 
     def prepare_data(self) -> None:
-        """Count the shards into their index (vitlab.data.shard_index) where it is missing or out of date.
-
-        Lightning runs this once per node (local rank 0; `prepare_data_per_node=False`: once in all)
-        while the other ranks wait at a barrier, so their `setup` reads the index, not the shards.
-        """
+        """Count the shards into their index where it is missing or out of date: Lightning runs this on
+        local rank 0 while the other ranks wait, so their `setup` reads the index, not the shards."""
         self._build_index()
 
     def _setup_datasets(self, stage: str | None) -> None:
