@@ -223,9 +223,11 @@ def _data_args(path: str) -> list[str]:
         if not _has_shards(p / "train"):
             return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
         train, val = p / "train", next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
-        if val is not None and not _has_shards(val):
-            raise SystemExit(f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}")
         if val is not None:
+            if not _has_shards(val):
+                raise SystemExit(
+                    f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}"
+                )
             _check_same_classes(train, val)
     # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
     return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val or 'null'}"]
