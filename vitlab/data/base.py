@@ -283,7 +283,7 @@ class ImageDataModule(L.LightningDataModule):
         gradients are synced, torchmetrics sums the per-rank states, and Lightning keeps a distributed
         sampler. Strategies whose forward is itself collective need `equal_eval_batches` instead.
         """
-        if self.world_size < 2 or isinstance(dataset, torch.utils.data.IterableDataset):
+        if self.world_size < 2:
             return None
         return UnrepeatedDistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=False)
 
