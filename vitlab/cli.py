@@ -24,9 +24,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vitlab.data import ImageDataModule
-from vitlab.errors import UserError
 from vitlab.data.shards import SHARD_SUFFIXES, read_classes_txt
 from vitlab.data.unlabelled import NO_LABELS_FIX
+from vitlab.errors import UserError
 from vitlab.interop.export import FORMATS
 from vitlab.models import VisionTransformer
 from vitlab.train import ViTClassifier
@@ -216,23 +216,21 @@ def _data_args(path: str) -> list[str]:
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"DATA path {path!r} does not exist; {DATA_LAYOUTS}")
-    # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
-    if p.is_file():
-        if p.name.endswith(SHARD_SUFFIXES):
-            return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}", "--data.val_shards=null"]
+    if p.is_file() and not p.name.endswith(SHARD_SUFFIXES):
         raise SystemExit(f"DATA path {path!r} is a file that is not a shard; {DATA_LAYOUTS}")
-    if _has_shards(p):
-        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={path}", "--data.val_shards=null"]
-    train = p / "train"
-    if _has_shards(train):
-        val = next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
-        if val is None:
-            return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", "--data.val_shards=null"]
-        if not _has_shards(val):
-            raise SystemExit(f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}")
-        _check_same_classes(train, val)
-        return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val}"]
-    return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+    train, val = path, None
+    if p.is_dir() and not _has_shards(p):
+        if not _has_shards(p / "train"):
+            return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+        train, val = p / "train", next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
+        if val is not None:
+            if not _has_shards(val):
+                raise SystemExit(
+                    f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}"
+                )
+            _check_same_classes(train, val)
+    # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
+    return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val or 'null'}"]
 
 
 DATA_LAYOUTS = (
@@ -325,8 +323,7 @@ def check_recipe(path: str, top_keys: list[str] | None = None) -> None:
         _reject_unknown(f"{where}.model_args", model.get("model_args"), _init_params(VisionTransformer))
     data = cfg.get("data") or {}
     if isinstance(data, dict) and isinstance(data.get("class_path"), str):
-        module, _, name = data["class_path"].rpartition(".")
-        data_cls = getattr(importlib.import_module(module), name)
+        data_cls = _import_class(data["class_path"], f"{path}: data.class_path")
         _reject_unknown(f"{path}: data.init_args", data.get("init_args"), _init_params(data_cls))
 
 

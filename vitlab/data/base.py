@@ -29,7 +29,6 @@ from vitlab.data.transforms import (
     SizedTransform,
     TrainCrop,
     eval_transform,
-    interpolation_mode,
     train_transform,
 )
 
@@ -121,19 +120,12 @@ class ImageDataModule(L.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 or None (auto), got {num_workers}")
-        if train_crop not in ("rrc", "pad"):
-            raise ValueError(f"unknown train_crop {train_crop!r}; choose 'rrc' (RandomResizedCrop) or 'pad'")
-        if auto_augment not in ("randaugment", "trivialaugment", None):
-            raise ValueError(f"unknown auto_augment {auto_augment!r}; choose 'randaugment', 'trivialaugment' or None")
-        if not 0.0 < crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
         if mixup_alpha < 0 or cutmix_alpha < 0:
             raise ValueError(f"mixup_alpha/cutmix_alpha must be >= 0, got {mixup_alpha}/{cutmix_alpha}")
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"num_classes must be >= 1 or None (from the data), got {num_classes}")
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"mean and std need 3 values (RGB), got {mean} and {std}")
-        interpolation_mode(interpolation)  # fail at construction, not in a worker
         self.img_size = img_size
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -156,6 +148,7 @@ class ImageDataModule(L.LightningDataModule):
         # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
         # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.run.img_size_schedule).
         self._train_size = torch.tensor(img_size, dtype=torch.int64).share_memory_()
+        self.train_transform(), self.eval_transform()  # bad crop/augment/interpolation fail here, not in a worker
         self._class_names: list[str] | None = None
         self._class_where = ""  # where the names came from, for error messages
         self.train_dataset: Any = None
@@ -180,25 +173,21 @@ class ImageDataModule(L.LightningDataModule):
     @property
     def class_names(self) -> list[str]:
         if self._class_names is None:
-            self._set_class_names(self._discover_class_names(), self._class_where)
-        return list(self._class_names)  # type: ignore[arg-type]
+            names, where = [str(n) for n in self._discover_class_names()], self._class_where
+            if not names:
+                raise ValueError(f"no classes found{' in ' + where if where else ''}")
+            n = self._num_classes_arg
+            if n is not None and n != len(names):
+                raise ValueError(
+                    f"num_classes={n} was given but the data has {len(names)} classes{' in ' + where if where else ''} "
+                    f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); drop num_classes or fix the data"
+                )
+            self._class_names = names
+        return list(self._class_names)
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
-
-    def _set_class_names(self, names: Sequence[str], where: str = "") -> None:
-        names = [str(n) for n in names]
-        if not names:
-            raise ValueError(f"no classes found{' in ' + where if where else ''}")
-        n = self._num_classes_arg
-        if n is not None and n != len(names):
-            src = f" in {where}" if where else ""
-            raise ValueError(
-                f"num_classes={n} was given but the data has {len(names)} classes{src} "
-                f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); drop num_classes or fix the data"
-            )
-        self._class_names = names
 
     def _preprocessing(self) -> dict[str, Any]:
         return dict(
@@ -216,11 +205,6 @@ class ImageDataModule(L.LightningDataModule):
         return {**self._preprocessing(), "class_names": self.class_names}
 
     @property
-    def soft_targets(self) -> bool:
-        """True when train batches carry MixUp/CutMix soft targets [B, C] instead of indices [B]."""
-        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
-
-    @property
     def bad_image_count(self) -> int:
         """Bad images skipped so far (train + val) by this rank's loaders; see `skip_bad_images`."""
         return sum(getattr(ds, "bad_image_count", 0) for ds in (self.train_dataset, self.val_dataset) if ds is not None)
@@ -235,18 +219,14 @@ class ImageDataModule(L.LightningDataModule):
         trainer = self._trainer()
         if trainer is not None:
             return int(trainer.world_size)
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-        return 1
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
     def global_rank(self) -> int:
         trainer = self._trainer()
         if trainer is not None:
             return int(trainer.global_rank)
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-        return 0
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
     def per_device_batch_size(self) -> int:
@@ -279,7 +259,8 @@ class ImageDataModule(L.LightningDataModule):
             auto_augment=self.auto_augment, randaugment_magnitude=self.randaugment_magnitude,
             mean=self.mean, std=self.std, interpolation=self.interpolation,
         )  # fmt: skip
-        return SizedTransform(self._train_size, build) if self.img_size_schedule else build(self.img_size)
+        full = build(self.img_size)  # built even under a schedule: checks the settings
+        return SizedTransform(self._train_size, build) if self.img_size_schedule else full
 
     def eval_transform(self) -> Any:
         return eval_transform(self._preprocessing())
@@ -302,7 +283,7 @@ class ImageDataModule(L.LightningDataModule):
         gradients are synced, torchmetrics sums the per-rank states, and Lightning keeps a distributed
         sampler. Strategies whose forward is itself collective need `equal_eval_batches` instead.
         """
-        if self.world_size < 2 or isinstance(dataset, torch.utils.data.IterableDataset):
+        if self.world_size < 2:
             return None
         return UnrepeatedDistributedSampler(dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=False)
 
@@ -349,26 +330,26 @@ class ImageDataModule(L.LightningDataModule):
         # The sampler yields whole batches (index lists): no automatic batching, the dataset collates.
         return DataLoader(BatchedDataset(dataset, collate_fn), batch_size=None, sampler=sampler, **common)
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = self.resolved_num_workers
-        if not train:
-            return self.eval_loader(dataset, num_workers=workers)
-        # Lightning checkpoints a StatefulDataLoader's position (and WorkerRandomState its workers'
-        # random streams), so a mid-epoch resume continues exactly.
-        sampler = self.train_sampler(dataset)
+    def _loader(
+        self, dataset: Dataset, train: bool, collate_fn: Callable | None = None, num_workers: int | None = None,
+        pin_memory: bool = True,
+    ) -> DataLoader:
+        """Map-style evaluation data: `eval_loader`. Otherwise a StatefulDataLoader, whose position
+        Lightning checkpoints (and WorkerRandomState its workers' random streams) so that a mid-epoch
+        resume continues exactly; a streamed dataset learns each epoch from it (`EpochLoader`)."""
+        workers = self.resolved_num_workers if num_workers is None else num_workers
+        stream = isinstance(dataset, torch.utils.data.IterableDataset)
+        if not train and not stream:
+            return self.eval_loader(dataset, collate_fn, workers, pin_memory)
+        sampler = None if stream else self.train_sampler(dataset)
         return EpochLoader(
-            WorkerRandomState(dataset),
-            batch_size=self.per_device_batch_size,
-            shuffle=sampler is None,
-            sampler=sampler,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=workers > 0,
-            collate_fn=self.train_collate(),
-            generator=torch.Generator().manual_seed(self.seed),
-            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
-            epoch_fn=self._epoch_fn(),
-        )
+            dataset if stream else WorkerRandomState(dataset), batch_size=self.per_device_batch_size,
+            shuffle=not stream and sampler is None, sampler=sampler, num_workers=workers,
+            pin_memory=self.pin_memory and pin_memory, persistent_workers=workers > 0,
+            collate_fn=collate_fn or (self.train_collate() if train else None),
+            generator=None if stream else torch.Generator().manual_seed(self.seed),
+            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None, epoch_fn=self._epoch_fn(),
+        )  # fmt: skip
 
     def _epoch_fn(self) -> Callable[[], int] | None:
         """What a loader calls as it starts an epoch: the trainer's epoch, after setting the schedule's
@@ -379,25 +360,11 @@ class ImageDataModule(L.LightningDataModule):
             return None
 
         def epoch() -> int:
-            e = int(trainer.current_epoch)
+            e = int(getattr(trainer, "current_epoch", 0))  # 0 for a stand-in trainer without epochs
             self.set_train_size(self.img_size_at(e))
             return e
 
         return epoch
-
-    def _stream_loader(self, dataset: Any, train: bool, batch_size: int) -> DataLoader:
-        """Loader for a streamed (iterable) dataset, which learns the epoch from the trainer to reshuffle."""
-        workers = self.resolved_num_workers
-        return EpochLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=workers > 0,
-            collate_fn=self.train_collate() if train else None,
-            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None,
-            epoch_fn=self._epoch_fn(),
-        )
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:

@@ -18,7 +18,7 @@ from itertools import islice
 from typing import Any
 
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from vitlab.data.base import ImageDataModule
 from vitlab.data.decode import BadImageError, load_rgb
@@ -81,16 +81,10 @@ def worker_quota(shard_rows: list[int], world_size: int, worker: int = 0, num_wo
 
 
 class HFIterableImageDataset(IterableDataset):
-    """Streaming adapter: this rank's share of the stream, the same number of samples on every rank.
-
-    The stream is split with `datasets.distributed.split_dataset_by_node`: with a shard count that
-    divides by world_size each rank reads only its own shards, else every rank reads the stream and
-    keeps every W-th row (decoding only those). Each worker stops at `worker_quota` rows, computed
-    from the per-shard row counts (`shard_rows`, counted once into an index; see HFDataModule), so
-    every rank yields the same number of batches: a rank whose epoch ran out first would otherwise
-    leave the others waiting forever in their next all-reduce. What a share holds beyond the quota
-    (shards of unequal size) is dropped that epoch. One process (world_size 1) reads everything.
-    """
+    """Streaming adapter: this rank's share of the stream (`split_dataset_by_node`; only the rows it
+    keeps are decoded), each worker stopping at `worker_quota` rows so that every rank yields the same
+    number of batches (see the module doc). What a share holds beyond the quota (shards of unequal
+    size) is dropped that epoch. One process (world_size 1) reads everything."""
 
     def __init__(
         self, ds: Any, image_column: str, label_column: str, transform: Any, name: str, rank: int = 0,
@@ -282,8 +276,3 @@ class HFDataModule(ImageDataModule):
         dd = self._load()
         if self.test_split is not None and self.test_split in dd and self.test_split != self.val_split:
             self.test_dataset = self._wrap(dd[self.test_split], train=False, split=self.test_split)
-
-    def _loader(self, dataset: Any, train: bool) -> DataLoader:
-        if not isinstance(dataset, IterableDataset):
-            return super()._loader(dataset, train)
-        return self._stream_loader(dataset, train, self.per_device_batch_size)

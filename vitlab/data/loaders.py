@@ -90,7 +90,7 @@ class EqualBatchSampler(DistributedSampler):
 
 
 class BatchedDataset(Dataset):
-    """`dataset` read a batch at a time: an index list gives the collated batch, an int one item."""
+    """`dataset` read a batch at a time: an index list gives the collated batch."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable | None = None) -> None:
         self.dataset = dataset
@@ -99,9 +99,7 @@ class BatchedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int | list[int]) -> Any:
-        if isinstance(index, int):
-            return self.dataset[index]
+    def __getitem__(self, index: list[int]) -> Any:  # type: ignore[override]
         getitems = getattr(self.dataset, "__getitems__", None)  # a batch in one read, as DataLoader does
         return self.collate_fn(getitems(index) if getitems else [self.dataset[i] for i in index])
 

@@ -1,17 +1,11 @@
 """The in-memory path: decode a dataset once into uint8 tensors, then augment whole batches on the device.
 
-On a small machine, per-image JPEG decoding and PIL augmentation take the same cores the model needs;
-for a dataset that fits in RAM (Tiny-ImageNet: 60k x 64x64, 0.7 GB; Imagenette at 128px: 0.5 GB) the
-decode is paid once at setup and each step only indexes a tensor. Augmentation then runs as batched
-tensor ops on the training device, every image with its own random parameters:
-
-- RandomResizedCrop (Inception-style scale and aspect ranges) or pad-and-crop, and the horizontal flip,
-  are one affine map per image, sampled with `grid_sample` (bilinear) in a single call;
-- normalisation and MixUp/CutMix (torchvision's batch transforms) follow.
-
-Validation images are preprocessed at decode time with the very transform the streaming path uses
-(`eval_transform` minus the float conversion), so metrics are the same on both paths.
-On a GPU the uint8 tensors move to the device once and batches never cross the bus.
+Per-image JPEG decoding and PIL augmentation take the cores the model needs; for a dataset that fits in
+RAM (Tiny-ImageNet: 60k x 64x64, 0.7 GB; Imagenette at 128px: 0.5 GB) the decode is paid once at setup
+and a step only indexes a tensor (on a GPU, one that never crosses the bus). Each image of a batch gets
+its own random crop and flip, one affine map sampled in a single `grid_sample` call, then normalisation
+and MixUp/CutMix. Validation images are preprocessed at decode time with the streaming path's own
+transform (`eval_transform` minus the float conversion), so metrics are the same on both paths.
 """
 
 from __future__ import annotations
@@ -59,10 +53,6 @@ class MemoryImages(Dataset):
         self.images, self.labels = self.images.to(device), self.labels.to(device)
         return self
 
-    @property
-    def nbytes(self) -> int:
-        return self.images.numel() + 8 * self.labels.numel()
-
 
 def batch_collate(batch: Any) -> Any:
     """The batch `MemoryImages.__getitems__` already built (a module-level function, so it pickles)."""
@@ -77,15 +67,16 @@ def _fit_square(img: Image.Image, size: int) -> Image.Image:
 
 
 def decode_into_memory(
-    samples: Iterable[tuple[str, Image.Image, int]], count: int, size: int | None = None, transform: Any = None
+    samples: Iterable[tuple[str, Image.Image, int]], count: int, transform: Any = None
 ) -> MemoryImages:
     """(key, RGB image, label) samples -> MemoryImages.
 
     `transform` (a PIL -> PIL transform, e.g. the evaluation resize + crop) is applied first; otherwise
-    images are stored at `size` (default: the first image's side; others are resized and centre-cropped
-    to it). `count` preallocates the tensor; fewer samples than that is an error (the index lied).
+    images are stored at the first image's side (others are resized and centre-cropped to it). `count`
+    preallocates the tensor; fewer samples than that is an error (the index lied).
     """
     start = time.perf_counter()
+    size: int | None = None
     images: torch.Tensor | None = None
     labels = torch.empty(count, dtype=torch.int64)
     keys: list[str] = []
@@ -95,7 +86,7 @@ def decode_into_memory(
         img = transform(img) if transform is not None else _fit_square(img, size or min(img.size))
         t = TF.pil_to_tensor(img)
         if images is None:
-            size = size or t.shape[-1]
+            size = t.shape[-1]
             images = torch.empty((count, *t.shape), dtype=torch.uint8)
             log.info(
                 "decoding %d images into memory as %s uint8 (%.2f GB)", count, tuple(t.shape), images.numel() / 1e9

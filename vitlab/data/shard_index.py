@@ -106,9 +106,6 @@ class ShardCounts:
     val: int
     max_label: int
 
-    def of(self, part: str) -> int:
-        return {"all": self.total, "train": self.train, "val": self.val}[part]
-
 
 SETTLE_NS = 2_000_000_000  # an mtime this close to now may yet change within the same clock tick
 

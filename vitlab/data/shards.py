@@ -17,13 +17,10 @@ divides by ranks x workers, ranks would get different sample counts (a DDP hang 
 or whole shards dropped or repeated). The range split serves any shard count, more or fewer than
 ranks x workers, at the cost of at most one partly skipped shard per piece.
 
-This needs the per-shard sample counts up front. They are read once (one pass over the tar headers
-and keys) into `shardindex.json`, the wids shard-index format, beside the shards or in the user's
-cache folder (vitlab.data.shard_index); later starts, and every DDP rank but the one that wrote it
-(`prepare_data`), read the index and stat the shards instead of reading them. Or, for huge
-collections, `num_samples` (all shards full but the last, as webdataset's ShardWriter writes them,
-checked while reading). A held-out validation split (no `val_shards`) is chosen by hashing each
-sample's key.
+This needs the per-shard sample counts up front: counted once into `shardindex.json` (wids' format;
+vitlab.data.shard_index), or, for huge collections, `num_samples` (all shards full but the last, as
+webdataset's ShardWriter writes them, checked while reading). A held-out validation split (no
+`val_shards`) is chosen by hashing each sample's key.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ import torch
 import webdataset as wds
 from braceexpand import braceexpand
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms import v2
 
 from vitlab.data.base import ImageDataModule, per_device_batch
@@ -52,7 +48,6 @@ from vitlab.data.loaders import available_cpus
 from vitlab.data.memory import BatchAugment, MemoryImages, batch_collate, decode_into_memory, normalise_batch
 from vitlab.data.public import ensure_public
 from vitlab.data.shard_index import ShardCounts, indexed_counts
-from vitlab.data.shared_counter import SharedCounter
 from vitlab.data.transforms import eval_transform
 from vitlab.data.unlabelled import NO_LABELS_FIX, UNLABELLED, LabelsOption
 
@@ -100,12 +95,6 @@ def expand_shards(spec: str) -> list[str]:
 def key_in_val(key: str, val_fraction: float) -> bool:
     """Deterministic held-out membership from the key alone (stable across ranks, runs and shard order)."""
     return name_hash(key) < val_fraction * 2.0**64
-
-
-def _in_part(key: str, part: Part, val_fraction: float) -> bool:
-    if part == "all":
-        return True
-    return key_in_val(key, val_fraction) == (part == "val")
 
 
 def _raw_samples(url: str) -> Iterator[dict[str, Any]]:
@@ -224,16 +213,16 @@ def split_range(
 
 
 class ShardDecoder:
-    """Raw sample -> (transformed image, label); picklable for DataLoader workers."""
+    """Raw sample -> (transformed image, label), or (key, RGB image, label) when `keyed` (decoding into
+    memory); picklable for DataLoader workers."""
 
-    def __init__(self, transform: Any, labels: bool = True) -> None:
-        self.transform = transform
-        self.labels = labels
+    def __init__(self, transform: Any, labels: bool = True, keyed: bool = False) -> None:
+        self.transform, self.labels, self.keyed = transform, labels, keyed
 
-    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
-        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
-        img = load_rgb(sample_image(sample), name)
-        return (self.transform(img) if self.transform is not None else img), sample_label(sample, self.labels)
+    def __call__(self, sample: dict[str, Any]) -> tuple[Any, ...]:
+        img = load_rgb(sample_image(sample), f"{sample.get('__url__')}:{sample.get('__key__')}")
+        out = (self.transform(img) if self.transform is not None else img), sample_label(sample, self.labels)
+        return (sample["__key__"], *out) if self.keyed else out
 
 
 class ShardStream(IterableDataset):
@@ -259,7 +248,6 @@ class ShardStream(IterableDataset):
         decoder: Callable[[dict[str, Any]], Any] | None = None,
         num_classes: int | None = None,
         skip_bad_images: bool = False,
-        counter: SharedCounter | None = None,
         labels: bool = True,
     ) -> None:
         super().__init__()
@@ -276,13 +264,15 @@ class ShardStream(IterableDataset):
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
         self.decoder, self.num_classes = decoder, num_classes
         self.skip_bad_images, self.labels = skip_bad_images, labels
-        self.counter = counter or SharedCounter()  # skips, summed over this rank's workers
+        # Bad images skipped: one shared-memory slot per DataLoader worker (0: the main process), so no
+        # two processes write the same slot; their sum is this rank's count.
+        self._skips = torch.zeros(257, dtype=torch.int64).share_memory_()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property
     def bad_image_count(self) -> int:
         """Bad samples skipped so far; each is met once per epoch, so this grows with epochs."""
-        return self.counter.value
+        return int(self._skips.sum())
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (the same on every rank)."""
@@ -318,7 +308,7 @@ class ShardStream(IterableDataset):
         samples = _raw_samples(url)
         try:
             for sample in samples:
-                if not _in_part(sample["__key__"], self.part, self.val_fraction):
+                if self.part != "all" and key_in_val(sample["__key__"], self.val_fraction) != (self.part == "val"):
                     continue
                 if i >= stop:  # a sample past the indexed count: the shard changed since it was counted
                     raise RuntimeError(
@@ -371,7 +361,8 @@ class ShardStream(IterableDataset):
             except BadImageError as exc:
                 if not self.skip_bad_images:
                     raise
-                self.counter.add()
+                info = get_worker_info()
+                self._skips[0 if info is None else 1 + info.id % 256] += 1
                 log.warning("skipping bad image %s:%s (%s)", sample["__url__"], sample["__key__"], exc.__cause__ or exc)
                 if last_good is None:
                     owed += 1
@@ -504,13 +495,10 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         rank: int | None = None,
         world_size: int | None = None,
         decode: bool = True,
-        batch_size: int | None = None,
     ) -> ShardStream | None:
-        """One rank's stream of `split` (None for val when there is no validation data).
-
-        rank/world_size default to the trainer's or torch.distributed's; batch_size (for whole-batch
-        worker pieces) to the per-device batch. `decode=False` yields (key, label) only.
-        """
+        """One rank's stream of `split` (None for val when there is no validation data), in whole-batch
+        worker pieces of the per-device batch. rank/world_size default to the trainer's or
+        torch.distributed's. `decode=False` yields (key, label) only."""
         index = self._build_index()
         if split not in index:
             return None
@@ -520,7 +508,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         return ShardStream(
             urls, counts, part=part, val_fraction=vf,
             rank=self.global_rank if rank is None else rank, world_size=ws,
-            batch_size=batch_size or per_device_batch(self.batch_size, ws),
+            batch_size=per_device_batch(self.batch_size, ws),
             shuffle=train, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
             decoder=ShardDecoder(self.train_transform() if train else self.eval_transform(), self.labels)
             if decode else None,
@@ -528,11 +516,8 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         )  # fmt: skip
 
     def prepare_data(self) -> None:
-        """Count the shards into their index (vitlab.data.shard_index) where it is missing or out of date.
-
-        Lightning runs this once per node (local rank 0; `prepare_data_per_node=False`: once in all)
-        while the other ranks wait at a barrier, so their `setup` reads the index, not the shards.
-        """
+        """Count the shards into their index where it is missing or out of date: Lightning runs this on
+        local rank 0 while the other ranks wait, so their `setup` reads the index, not the shards."""
         self._build_index()
 
     def _setup_datasets(self, stage: str | None) -> None:
@@ -550,35 +535,21 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         Train images are stored as they are (augmented per batch later); val images go through the
         evaluation resize and crop now. On a CUDA trainer the tensors move to the device.
         """
-        index = self._build_index()
-        if split not in index:
+        stream = self.dataset(split, rank=0, world_size=1, decode=False)
+        if stream is None:
             return None
-        urls, counts, part, vf = index[split]
+        stream.shuffle, stream.decoder = False, ShardDecoder(None, self.labels, keyed=True)  # file order, keys kept
         # eval_transform's ToRGB, Resize, CenterCrop: the streaming path's preprocessing up to the float conversion
-        preprocess = None if split == "train" else eval_transform(self._preprocessing()).transforms[:3]
-        stream = ShardStream(
-            urls, counts, part=part, val_fraction=vf, decoder=_KeyedDecoder(self.labels),
-            num_classes=self.num_classes, skip_bad_images=self.skip_bad_images, labels=self.labels,
-        )  # fmt: skip
-        data = decode_into_memory(stream, sum(counts), transform=v2.Compose(preprocess) if preprocess else None)
+        preprocess = None if split == "train" else v2.Compose(eval_transform(self._preprocessing()).transforms[:3])
+        data = decode_into_memory(stream, stream.total, transform=preprocess)
         trainer = self._trainer()
         device = getattr(getattr(trainer, "strategy", None), "root_device", None)
         return data.to(device) if device is not None and device.type == "cuda" else data
 
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
-        if isinstance(dataset, MemoryImages):
-            # The base class's samplers: equal evaluation batches where the forward is collective
-            # (FSDP), and a (seed, epoch) train order that a DDP rank resumes exactly.
-            on_host = dataset.images.device.type == "cpu"
-            if not train:
-                return self.eval_loader(dataset, collate_fn=batch_collate, pin_memory=on_host)
-            sampler = self.train_sampler(dataset)
-            return StatefulDataLoader(
-                dataset, batch_size=self.per_device_batch_size, shuffle=sampler is None, sampler=sampler,
-                num_workers=0, pin_memory=self.pin_memory and on_host, collate_fn=batch_collate,
-                generator=torch.Generator().manual_seed(self.seed),
-            )  # fmt: skip
-        return self._stream_loader(dataset, train, dataset.batch_size)
+        if isinstance(dataset, MemoryImages):  # whole batches indexed in place; pinned only while on the host
+            return super()._loader(dataset, train, batch_collate, 0, pin_memory=dataset.images.device.type == "cpu")
+        return super()._loader(dataset, train)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """In-memory batches arrive as uint8: augment (training) or normalise them here, on the device."""
@@ -594,14 +565,3 @@ class ShardDataModule(LabelsOption, ImageDataModule):
                 )  # fmt: skip
             return self._augment(images, labels, size=self.img_size_at(trainer.current_epoch))
         return normalise_batch(images, self.mean, self.std), labels
-
-
-class _KeyedDecoder:
-    """Raw shard sample -> (key, RGB image, label), for decoding into memory."""
-
-    def __init__(self, labels: bool = True) -> None:
-        self.labels = labels
-
-    def __call__(self, sample: dict[str, Any]) -> tuple[str, Any, int]:
-        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
-        return sample["__key__"], load_rgb(sample_image(sample), name), sample_label(sample, self.labels)

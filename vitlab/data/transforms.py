@@ -67,14 +67,10 @@ class ToRGB:
             if img.ndim != 3:
                 raise ValueError(f"expected an image tensor [C, H, W], got shape {tuple(img.shape)}")
             c = img.shape[0]
-            if c == 1:
-                return img.expand(3, -1, -1).clone()
-            if c == 2:  # grey + alpha
+            if c in (1, 2):  # grey (+ alpha)
                 return img[:1].expand(3, -1, -1).clone()
-            if c == 4:
+            if c in (3, 4):  # RGB (+ alpha)
                 return img[:3]
-            if c == 3:
-                return img
             raise ValueError(f"expected 1, 2, 3 or 4 channels, got {c} (shape {tuple(img.shape)})")
         raise TypeError(f"expected a PIL image or an image tensor, got {type(img).__name__}")
 
@@ -191,10 +187,6 @@ class MixupCutmixCollate:
             ops.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
         self.mix = None if not ops else ops[0] if len(ops) == 1 else v2.RandomChoice(ops)
 
-    @property
-    def soft_targets(self) -> bool:
-        return self.mix is not None
-
     def __call__(self, batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = default_collate(batch)
         if self.mix is not None:
@@ -202,6 +194,4 @@ class MixupCutmixCollate:
         return images, labels
 
 
-def mixup_cutmix_collate(num_classes: int, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> MixupCutmixCollate:
-    """The train collate_fn: `(images [B,3,H,W], targets)`, targets soft [B, C] when mixing is on."""
-    return MixupCutmixCollate(num_classes, mixup_alpha, cutmix_alpha)
+mixup_cutmix_collate = MixupCutmixCollate  # the public name (vitlab.data)

@@ -54,15 +54,13 @@ class ImgSizeSchedule(Callback):
             rank_zero_info(f"img_size_schedule: epoch {trainer.current_epoch} trains at {size}x{size}")
             self._size = size
 
-    # Before the first batch: on_train_start also covers a mid-epoch resume, where Lightning skips
-    # on_train_epoch_start.
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.active:
-            self._apply(trainer, pl_module)
-
+    # Each epoch, and before the first batch: that also covers a mid-epoch resume, where Lightning
+    # skips on_train_epoch_start.
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:
             self._apply(trainer, pl_module)
+
+    on_train_start = on_train_epoch_start
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active:

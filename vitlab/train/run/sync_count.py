@@ -1,21 +1,15 @@
-"""Count the host-device synchronisations of a training run: each one makes the host wait for the device
+"""Count the host-device synchronisations of a training run: each makes the host wait for the device
 and empties the queue of work the host had launched ahead of it.
 
-On CUDA, torch reports them itself (`torch.cuda.set_sync_debug_mode("warn")`: `.item()`, `bool()`, a
-copy to the host, `nonzero`, ...); `count_syncs` counts those warnings, and `torch.cuda.synchronize()`
-calls. On the CPU nothing waits, but the same Python calls would on a GPU: there `count_syncs` counts
-the calls that read a tensor's value on the host (`item`, `tolist`, `numpy`, `bool()`, `float()`,
-`int()`, `index()`), except those of the data pipeline (under `torch.utils.data`: host tensors, read in
-loader workers in a real run). The CPU count misses syncs inside torch's operators (`nonzero`,
-boolean-mask indexing) and reads of host tensors a GPU run would also keep on the host; the CUDA count
-has exactly the device's.
+On CUDA torch reports them (`torch.cuda.set_sync_debug_mode("warn")`); `torch.cuda.synchronize()` calls
+are counted too. On the CPU nothing waits, so the calls that would on a GPU are counted: reads of a
+tensor's value on the host (`item`, `tolist`, `numpy`, `bool()`, `float()`, `int()`, `index()`), except
+the data pipeline's (host tensors, read in loader workers in a real run). That count misses syncs inside
+torch's operators (`nonzero`, boolean-mask indexing); the CUDA count has exactly the device's.
 
     with count_syncs("cuda") as syncs:
         ...
     syncs.total, syncs.sites.most_common(5)
-
-`SyncsPerStep`, a callback, counts over the training batches of a fit (validation excluded):
-`per_step` after the run.
 """
 
 from __future__ import annotations
@@ -118,11 +112,10 @@ def count_syncs(device: str | torch.device = "cuda") -> Iterator[SyncCount]:
 class SyncsPerStep(Callback):
     """Counts the host-device synchronisations of the training batches (each batch's hooks, logging and
     the fetch of the next batch; not validation), after `skip_steps` warm-up steps. After the fit:
-    `steps`, `count.total`, `count.sites` and `per_step`. `device`: None for the module's device."""
+    `steps`, `count.total`, `count.sites` and `per_step`."""
 
-    def __init__(self, skip_steps: int = 1, device: str | None = None) -> None:
+    def __init__(self, skip_steps: int = 1) -> None:
         self.skip_steps = skip_steps
-        self.device = device
         self.steps = 0
         self.count = SyncCount(active=False)
         self._counter: Any = None
@@ -132,7 +125,7 @@ class SyncsPerStep(Callback):
         return self.count.total / max(self.steps, 1)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._counter = count_syncs(self.device or pl_module.device)
+        self._counter = count_syncs(pl_module.device)
         self.count = self._counter.__enter__()
         self.count.active = False
 
