@@ -329,7 +329,7 @@ def _to_tensorboard(run: Path, rows: Sequence[Row], title: str, step: int) -> No
     except ImportError:
         return
     with SummaryWriter(log_dir=str(tb)) as writer:
-        writer.add_figure("resolution/top1_vs_test_size", figure(rows, title), global_step=step)
+        writer.add_figure("val/top1_vs_test_size", figure(rows, title), global_step=step)
 
 
 # ---- command line ---------------------------------------------------------------------------------
