@@ -18,7 +18,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from vitlab import load_pretrained
-from vitlab.cli import VitlabCLI, check_recipe, main
+from vitlab.cli import VitlabCLI, main
+from vitlab.recipe import check_recipe
 from vitlab.data import ImageFolderDataModule, ShardDataModule
 from vitlab.train import MaskedPatchPretraining, ViTClassifier
 from vitlab.train.objectives.mpp import (

@@ -18,7 +18,8 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from vitlab.cli import VitlabCLI, _data_args
+from vitlab.cli import VitlabCLI
+from vitlab.recipe import data_args
 from vitlab.data import ShardDataModule
 from vitlab.data.memory import BatchAugment, crop_resize, sample_crop_boxes
 from vitlab.data.shards import _raw_samples, expand_shards
@@ -77,7 +78,7 @@ def test_bad_shard_layouts_name_what_was_expected(tin_layout: Path, tmp_path: Pa
     link_shards(tin_layout / "train", root / "train")
     (root / "val").mkdir()
     with pytest.raises(SystemExit, match=r"holds shards but .*val does not; put the validation shards there"):
-        _data_args(str(root))
+        data_args(str(root))
     # val/classes.txt naming other classes: the labels would index a different list
     root = tmp_path / "mismatch"
     link_shards(tin_layout / "train", root / "train")
@@ -85,7 +86,7 @@ def test_bad_shard_layouts_name_what_was_expected(tin_layout: Path, tmp_path: Pa
     names = lines(root / "val/classes.txt")
     (root / "val/classes.txt").write_text("\n".join([names[1], names[0], *names[2:]]) + "\n")
     with pytest.raises(SystemExit, match=r"classes.txt differ \(line 1: 'goldfish' vs 'European fire salamander'\)"):
-        _data_args(str(root))
+        data_args(str(root))
     # a folder that is neither shards nor class folders
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no class folders"):
@@ -102,7 +103,7 @@ def test_bad_shard_layouts_name_what_was_expected(tin_layout: Path, tmp_path: Pa
     # a held-out split when there is no val/ folder: train/ alone is taken, val_fraction applies
     root = tmp_path / "train_only"
     link_shards(tin_layout / "train", root / "train")
-    assert _data_args(str(root)) == [
+    assert data_args(str(root)) == [
         "--data=vitlab.data.ShardDataModule", f"--data.train_shards={root / 'train'}", "--data.val_shards=null"
     ]  # fmt: skip
 

@@ -33,6 +33,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitlab.analysis.plots import plot_resolution, save_figure
 from vitlab.errors import UserError
 from vitlab.models import VisionTransformer
+from vitlab.recipe import data_args, import_class, init_params
 
 # Preprocessing keys a model's data_config shares with the data modules' constructor arguments.
 _PREPROCESSING = ("mean", "std", "interpolation", "crop_pct")
@@ -72,10 +73,8 @@ def _recorded(ckpt: str | Path) -> dict[str, Any]:
 
 def _located(data: str) -> tuple[str, dict[str, Any]]:
     """`--data_path DATA` as the CLI expands it: the data module's class path and its location arguments."""
-    from vitlab.cli import _data_args
-
     class_path, args = "", {}
-    for flag in _data_args(data):
+    for flag in data_args(data):
         key, _, value = flag.removeprefix("--data").partition("=")
         if not key:
             class_path = value
@@ -90,8 +89,6 @@ def datamodule_for(
     """The validation data of a checkpoint at `img_size`: its recorded data module (class and arguments,
     as `vitlab fit` saved them), located at `data` when given (as `--data_path` would), preprocessing
     from the model's `data_config` where nothing is recorded."""
-    from vitlab.cli import _import_class, _init_params
-
     hp = dict(recorded.get("datamodule_hyper_parameters") or {})
     class_path = hp.pop("_class_path", None)
     args = {k: v for k, v in model.data_config.items() if k in _PREPROCESSING}
@@ -99,19 +96,19 @@ def datamodule_for(
     if data is not None:
         new_class, location = _located(data)
         if new_class != class_path:  # another reader: keep the settings it also takes (preprocessing, batch)
-            args = {k: v for k, v in args.items() if k in _init_params(_import_class(new_class, "data"))}
+            args = {k: v for k, v in args.items() if k in init_params(import_class(new_class, "data"))}
         class_path = new_class
         args.update(location)
     if class_path is None:
         raise ValueError("the checkpoint records no data module (it was not trained by `vitlab fit`); pass --data DATA")
-    cls = _import_class(class_path, "data")
+    cls = import_class(class_path, "data")
     args["img_size"] = img_size
-    if "in_memory" in _init_params(cls):
+    if "in_memory" in init_params(cls):
         # Streaming validation gives the in-memory path's batches (vitlab.data.memory), without decoding
         # the train split for every size.
         args["in_memory"] = False
     args.update(overrides)
-    return cls(**{k: v for k, v in args.items() if k in _init_params(cls)})
+    return cls(**{k: v for k, v in args.items() if k in init_params(cls)})
 
 
 # ---- scoring --------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""Recipes and data paths, read before LightningCLI parses them: `--data_path DATA` expanded into the data
+module that reads DATA, and a recipe checked for typos and unreadable YAML with one-line errors."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch import Trainer
+
+from vitlab.data.shards import SHARD_SUFFIXES, read_classes_txt
+from vitlab.errors import UserError
+from vitlab.models import VisionTransformer
+from vitlab.train import ViTClassifier
+
+DEFAULT_MODEL = "vitlab.train.ViTClassifier"  # the LightningModule of a `model:` section without a class_path
+# The top-level keys of a `fit` config (the subcommand parser's own list is used where it is at hand).
+TOP_KEYS = ["seed_everything", "trainer", "model", "data", "run_dir", "loggers", "checkpoint_every_n_steps",
+            "optimizer", "lr_scheduler", "ckpt_path", "weights_only"]  # fmt: skip
+
+
+def data_args(path: str) -> list[str]:
+    """`--data_path P` -> the DataModule that reads P: shards, an image folder, or a CIFAR name."""
+    if path in ("cifar10", "cifar100"):
+        return ["--data=vitlab.data.CIFARDataModule", f"--data.variant={path}"]
+    p = Path(path)
+    if not p.exists():
+        raise SystemExit(f"DATA path {path!r} does not exist; {DATA_LAYOUTS}")
+    if p.is_file() and not p.name.endswith(SHARD_SUFFIXES):
+        raise SystemExit(f"DATA path {path!r} is a file that is not a shard; {DATA_LAYOUTS}")
+    train, val = path, None
+    if p.is_dir() and not _has_shards(p):
+        if not _has_shards(p / "train"):
+            return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+        train, val = p / "train", next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
+        if val is not None:
+            if not _has_shards(val):
+                raise SystemExit(
+                    f"{train} holds shards but {val} does not; put the validation shards there, or remove {val}"
+                )
+            _check_same_classes(train, val)
+    # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
+    return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val or 'null'}"]
+
+
+DATA_LAYOUTS = (
+    "give an image folder (train/<class>/*.jpg with val/<class>/*.jpg, and test/<class>/*.jpg for `vitlab test`; "
+    "or <class>/*.jpg), "
+    "a folder of webdataset shards (*.tar / *.tar.gz holding KEY.jpg + KEY.cls, with classes.txt), "
+    "a folder with train/ and val/ folders of such shards, or 'cifar10' / 'cifar100'"
+)
+
+
+def _has_shards(folder: Path) -> bool:
+    return folder.is_dir() and any(f.name.endswith(SHARD_SUFFIXES) for f in folder.iterdir())
+
+
+def _check_same_classes(train: Path, val: Path) -> None:
+    """train/classes.txt and val/classes.txt, where both exist, must list the same classes in the same order."""
+    names = [read_classes_txt(d / "classes.txt") for d in (train, val)]
+    if None not in names and names[0] != names[1]:
+        diff = next(i for i, (a, b) in enumerate(zip(*names, strict=False)) if a != b) if len(names[0]) == len(names[1]) else None
+        where = f"line {diff + 1}: {names[0][diff]!r} vs {names[1][diff]!r}" if diff is not None else (
+            f"{len(names[0])} vs {len(names[1])} classes")
+        raise SystemExit(
+            f"{train}/classes.txt and {val}/classes.txt differ ({where}); the labels in both splits must index "
+            "one class list: copy train/classes.txt to val/ if the labels agree, or rebuild the validation shards"
+        )
+
+
+def expand_data_path(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--data_path":
+            out += data_args(next(it))
+        elif arg.startswith("--data_path="):
+            out += data_args(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    return out
+
+
+def init_params(cls: type) -> list[str]:
+    """Constructor argument names of a class and, through `**kwargs`, of its bases."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
+def _reject_unknown(where: str, keys: Any, valid: list[str]) -> None:
+    for key in keys or {}:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SystemExit(f"error: unknown key {where}.{key}; {hint}valid keys: {', '.join(valid)}")
+
+
+def import_class(class_path: str, where: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SystemExit(
+            f"error: {where} {class_path!r} cannot be imported ({exc}); give the full dotted path, "
+            f"e.g. {DEFAULT_MODEL} or vitlab.train.MaskedPatchPretraining"
+        ) from None
+
+
+def check_recipe(path: str, top_keys: list[str] | None = None) -> None:
+    """Reject a recipe that cannot be read, and recipe typos early, naming the key and listing the valid ones
+    (`top_keys`: the parser's top-level keys; default `TOP_KEYS`)."""
+    cfg = read_recipe(path)
+    _reject_unknown(path, cfg, top_keys or TOP_KEYS)
+    _reject_unknown(f"{path}: trainer", cfg.get("trainer"), init_params(Trainer))
+    model = cfg.get("model") or {}
+    if isinstance(model, dict) and "class_path" in model:  # a named LightningModule: check its own arguments
+        _reject_unknown(f"{path}: model", model, ["class_path", "init_args"])
+        model_cls = import_class(model["class_path"], f"{path}: model.class_path")
+        where, model = f"{path}: model.init_args", model.get("init_args") or {}
+    else:
+        model_cls, where = ViTClassifier, f"{path}: model"
+    params = init_params(model_cls)
+    _reject_unknown(where, model, params)
+    if "model_args" in params:  # the encoder's constructor arguments, as ViTClassifier takes them
+        _reject_unknown(f"{where}.model_args", model.get("model_args"), init_params(VisionTransformer))
+    data = cfg.get("data") or {}
+    if isinstance(data, dict) and isinstance(data.get("class_path"), str):
+        data_cls = import_class(data["class_path"], f"{path}: data.class_path")
+        _reject_unknown(f"{path}: data.init_args", data.get("init_args"), init_params(data_cls))
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    """The recipe at `path` as a mapping, or a one-line error saying why it cannot be one."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        folder = Path(path).parent
+        near = {p.stem: p for p in folder.rglob("*.yaml")} if folder.is_dir() else {}
+        close = difflib.get_close_matches(Path(path).stem, list(near), n=1, cutoff=0.6)
+        hint = f"did you mean {near[close[0]]}? " if close else ""
+        raise UserError(f"--config {path}: no such file; {hint}give the path of a YAML recipe, "
+                        "e.g. recipes/pretrain/*.yaml") from None  # fmt: skip
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
+        raise UserError(f"--config {path}: cannot be read as a YAML recipe ({exc}); give a recipe file") from None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"--config {path}: not valid YAML ({where}{problem}); fix the recipe there") from None
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, dict):
+        raise UserError(f"--config {path}: a recipe is a YAML mapping (trainer:, model:, data:, ...), "
+                        f"not a {type(cfg).__name__}")  # fmt: skip
+    return cfg
+
+
+def check_config_args(argv: list[str], top_keys: list[str] | None = None) -> None:
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            check_recipe(argv[i + 1], top_keys)
+        elif arg.startswith("--config="):
+            check_recipe(arg.split("=", 1)[1], top_keys)
