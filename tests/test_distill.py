@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import subset_tree
+from helpers import image_tree
 from vitlab import VisionTransformer, create_model, load_pretrained, save_pretrained
 from vitlab.cli import main
 from vitlab.train.objectives.distill import DistillClassifier, distillation_loss, to_teacher_input
@@ -314,8 +314,8 @@ def test_timm_distilled_deit_loaded_predicts_timms_logits(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_distill_recipe_trains_through_the_cli(cifar_subset: Path, tmp_path: Path) -> None:
-    data = subset_tree(cifar_subset, tmp_path / "data", ["cat", "dog"], 8, 4)
+def test_distill_recipe_trains_through_the_cli(tmp_path: Path) -> None:
+    data = image_tree(tmp_path / "data", ["cat", "dog"], 8, 4)
     teacher = tmp_path / "teacher.pth"
     torch.save(torchvision.models.get_model("resnet18", weights=None, num_classes=2).state_dict(), teacher)
     run = tmp_path / "run"

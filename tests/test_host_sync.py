@@ -15,7 +15,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import subset_tree
+from helpers import image_tree
 from vitlab.cli import main
 from vitlab.train import ViTClassifier
 from vitlab.train.reliability.guards import NonFiniteGuard, NonFiniteLossError
@@ -41,9 +41,9 @@ def test_counter_counts_value_reads_on_the_cpu() -> None:
 
 
 @pytest.mark.slow
-def test_default_fit_makes_no_host_sync_per_step(cifar_subset: Path, tmp_path: Path, monkeypatch) -> None:
+def test_default_fit_makes_no_host_sync_per_step(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")
-    data = subset_tree(cifar_subset, tmp_path / "data", ["airplane", "frog", "truck"], 16, 4)
+    data = image_tree(tmp_path / "data", ["airplane", "frog", "truck"], 16, 4)
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "max_steps": 10, "log_every_n_steps": 1000},

@@ -32,7 +32,7 @@ from vitlab.train.objectives.mpp import (
     draw_corruption,
     mean_color_ids,
 )
-from helpers import subset_tree
+from helpers import image_tree
 
 REPO = Path(__file__).resolve().parents[1]
 # A small encoder of the CPU recipes' kind: conv tokenizer, sequence pooling, no class token.
@@ -223,11 +223,11 @@ def test_mpp_checkpoint_initialises_a_classifier_at_a_new_resolution(tmp_path: P
 
 
 @pytest.fixture(scope="module")
-def unlabelled(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The same 24 real images as a flat folder (no class folders) and as shards without `.cls` in
+def unlabelled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same 24 generated images as a flat folder (no class folders) and as shards without `.cls` in
     train/ (two shards, 16 images) and val/ (one, 8), the Tiny-ImageNet layout."""
     root = tmp_path_factory.mktemp("unlabelled")
-    files = sorted((cifar_subset / "train").glob("*/*.png"))[::200][:24]
+    files = sorted((image_tree(root / "generated", ["a", "b", "c"], 8, 0) / "train").glob("*/*.png"))
     folder, shards = root / "images", root / "shards"
     for d in (folder, shards / "train", shards / "val"):
         d.mkdir(parents=True)
@@ -295,7 +295,7 @@ def test_a_recipe_naming_its_module_is_checked_against_that_module(tmp_path: Pat
 
 
 def test_mpp_recipe_through_the_cli_then_finetune_from_its_checkpoint(
-    unlabelled: tuple[Path, Path], cifar_subset: Path, tmp_path: Path
+    unlabelled: tuple[Path, Path], tmp_path: Path
 ) -> None:
     _, shards = unlabelled  # train/ + val/ shards without labels, read through the recipe's in-memory path
     pre_run, ft_run = tmp_path / "pretrain", tmp_path / "finetune"
@@ -315,7 +315,7 @@ def test_mpp_recipe_through_the_cli_then_finetune_from_its_checkpoint(
     assert encoder.num_classes == 0 and encoder.patch_embed.grid_size == (4, 4)
 
     # What `make finetune CKPT=...` runs, with the CPU fine-tune recipe on a labelled tree at 64px.
-    lab = subset_tree(cifar_subset, tmp_path / "lab", ["cat", "dog"], 6, 2)
+    lab = image_tree(tmp_path / "lab", ["cat", "dog"], 6, 2)
     ft = ["fit", "--config", str(REPO / "recipes/finetune/cifar10_vit_tiny_64px_cpu.yaml"), "--run_dir", str(ft_run),
           "--model.init_from", str(ckpt), "--data_path", str(lab), *quick]  # fmt: skip
     model = VitlabCLI(args=ft[1:], run=False).model.model

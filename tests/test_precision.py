@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from cli_probe import csv_rows
-from helpers import subset_tree
+from helpers import image_tree
 from vitlab.cli import main
 from vitlab.train import ViTClassifier
 from vitlab.train.run import defaults as run_defaults
@@ -87,12 +87,12 @@ def _losses(run: Path) -> list[float]:
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_pretrain_finetune_mpp_and_distill_with_clipping(
-    cifar_subset: Path, tmp_path: Path, precision: str
+    tmp_path: Path, precision: str
 ) -> None:
     """Each objective through the real CLI with gradient clipping: supervised pretraining, fine-tuning from
     it with a new head at a new resolution, masked patch prediction, and DeiT distillation."""
-    pre_data = subset_tree(cifar_subset, tmp_path / "pre_data", ["airplane", "frog", "truck"], 8, 4)
-    ft_data = subset_tree(cifar_subset, tmp_path / "ft_data", ["cat", "dog"], 8, 4)
+    pre_data = image_tree(tmp_path / "pre_data", ["airplane", "frog", "truck"], 8, 4)
+    ft_data = image_tree(tmp_path / "ft_data", ["cat", "dog"], 8, 4)
     vit = {"arch": "vit_tiny_patch16", "model_args": TINY, "lr": 1e-3}
 
     pre = _fit(tmp_path, "pre", pre_data, 32, vit, precision)

@@ -205,15 +205,15 @@ N_VAL = 20
 
 
 @pytest.fixture(scope="module")
-def runs(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny ViT trained one epoch at 32px through `vitlab fit`, and fine-tuned from it one epoch at 48px."""
     import yaml
-    from helpers import subset_tree
+    from helpers import image_tree
 
     from vitlab.cli import main
 
     tmp = tmp_path_factory.mktemp("resolution")
-    data = subset_tree(cifar_subset, tmp / "data", CLASSES, 16, N_VAL)
+    data = image_tree(tmp / "data", CLASSES, 16, N_VAL)
     cfg = {
         "seed_everything": 0,
         "trainer": {"max_epochs": 1, "log_every_n_steps": 1, "enable_progress_bar": False,
@@ -319,17 +319,17 @@ def test_resolution_command_table_json_and_one_curve_per_checkpoint(
     ],
     ids=["patch-token", "conv-seq", "spt-avg-sincos", "resnet", "distilled"],
 )
-def test_the_sweep_scores_every_tokenizer_and_pooling(options: dict, cifar_subset: Path, tmp_path: Path) -> None:
+def test_the_sweep_scores_every_tokenizer_and_pooling(options: dict, tmp_path: Path) -> None:
     """Untrained models saved with `save_pretrained` (no recorded data module: `--data` and the model's
     preprocessing), against the images run through `eval_transform` and a model loaded at that size."""
-    from helpers import subset_tree
+    from helpers import image_tree
     from PIL import Image
 
     from vitlab.analysis.resolution import sweep
     from vitlab.data import eval_transform
     from vitlab.interop import save_pretrained
 
-    data = subset_tree(cifar_subset, tmp_path / "data", CLASSES, 1, 4)
+    data = image_tree(tmp_path / "data", CLASSES, 1, 4)
     args = {**dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3), **options}
     folder = save_pretrained(perturb(VisionTransformer(**args), std=0.2), tmp_path / "model")
     rows = {r.img_size: r for r in sweep(str(folder), str(data), [4, 16, 20, 32])}
