@@ -65,13 +65,16 @@ def test_hf_export_runs_in_transformers(images, tmp_path):
     assert (peer.config.image_size, peer.config.patch_size, peer.config.layer_norm_eps) == (32, 4, 1e-6)
 
 
-def test_hf_processor_prepares_real_images_as_vitlab_does(cifar_subset, tmp_path):
-    # transformers' processor prepares real images as vitlab's eval transform does (PIL resize on both sides)
+def test_hf_processor_prepares_images_as_vitlab_does(tmp_path):
+    # transformers' processor prepares images as vitlab's eval transform does (PIL resize 48 -> 32 on both sides)
+    from helpers import image_tree
+
     out = export(_model(), "hf", tmp_path / "hf")
     processor = AutoImageProcessor.from_pretrained(out, use_fast=False)
-    pil = [Image.open(f).convert("RGB") for f in _files(cifar_subset)]
+    files = _files(image_tree(tmp_path / "images", CLASSES, 0, 1, size=48))
+    pil = [Image.open(f).convert("RGB") for f in files]
     pixels = torch.as_tensor(np.stack(processor(pil)["pixel_values"]))
-    torch.testing.assert_close(pixels, _prepared(_files(cifar_subset)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(pixels, _prepared(files), atol=1e-5, rtol=0)
 
 
 def test_hf_preprocessor_states_size_crop_and_resample(tmp_path):
