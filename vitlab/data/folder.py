@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from vitlab.data.base import ImageDataModule
 from vitlab.data.image_files import ImageFileDataset
 from vitlab.data.shard_index import indexed_files
+from vitlab.data.split import held_out_split, name_hash
 from vitlab.data.unlabelled import NO_LABELS_FIX, LabelsOption, unlabelled_samples
 
 TRAIN_DIRS = ("train", "imagenet21k_train")
@@ -36,31 +35,6 @@ def _class_dirs(folder: Path) -> list[str]:
 
 def _has_image(folder: Path) -> bool:
     return any(f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True) for f in files)
-
-
-def name_hash(name: str) -> int:
-    """A stable 64-bit hash (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
-
-
-def held_out_split(targets: Sequence[int], fraction: float, keys: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """(train, val) indices: per class, the round(fraction * n) items of lowest key go to val; with
-    fraction > 0, a class of two or more gives at least one and keeps at least one for train.
-
-    The keys decide the draw, so they make it the same on every rank and in every run: hashes of the
-    file names here (`name_hash`, independent of directory-listing order), a seeded permutation for
-    CIFAR, whose images have no names.
-    """
-    by_class: dict[int, list[tuple[Any, int]]] = {}
-    for i, (target, key) in enumerate(zip(targets, keys)):
-        by_class.setdefault(target, []).append((key, i))
-    val: set[int] = set()
-    for items in by_class.values():
-        k = round(fraction * len(items))
-        if fraction > 0 and len(items) >= 2:
-            k = min(max(k, 1), len(items) - 1)
-        val.update(i for _, i in sorted(items)[:k])
-    return [i for i in range(len(targets)) if i not in val], sorted(val)
 
 
 class ImageFolderDataModule(LabelsOption, ImageDataModule):

@@ -11,12 +11,11 @@ Each is written beside the data when that folder is writable, else into the user
 is used only while its file's size and mtime (a class folder's mtime) are unchanged; a changed or new
 shard is counted again and the index updated. Under DDP the DataModule's `prepare_data` (Lightning
 runs it on local rank 0 while the other ranks wait at a barrier) writes the index that every rank's
-`setup` then reads. `vitlab index-shards DIR` writes it ahead, e.g. before a bucket goes read-only.
+`setup` then reads. `vitlab index-shards DIR` (vitlab.data.shards) writes it ahead, e.g. before a bucket goes read-only.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -261,41 +260,3 @@ def indexed_rows(key: dict[str, Any], count: Callable[[], list[int]]) -> list[in
 def local_mtimes(paths: Iterable[str]) -> dict[str, int]:
     """mtime of each path that is a local file or folder (a changed local dataset gets a new index)."""
     return {p: os.stat(p).st_mtime_ns for p in paths if os.path.exists(p)}
-
-
-# ---- `vitlab index-shards` ---------------------------------------------------------------------------
-
-
-def _shard_folders(paths: Iterable[str]) -> list[str]:
-    """Each path, or its train/ and val/ shard folders when it has them (the layout DATA= accepts)."""
-    out = []
-    for p in paths:
-        subs = [os.path.join(p, s) for s in ("train", "val") if os.path.isdir(os.path.join(p, s))]
-        out += subs or [p]
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`vitlab index-shards DIR...`: count every shard once and write the index that later starts read."""
-    from vitlab.data.shards import expand_shards, index_shards
-
-    p = argparse.ArgumentParser(
-        prog="vitlab index-shards",
-        description="Write shardindex.json (per-shard sample counts, held-out split counts) for shard folders, "
-        "beside the shards when writable, else in the cache folder; training starts then read it instead of "
-        "every shard.",
-    )
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="a shard folder, or one with train/ and val/ shard folders")
-    p.add_argument("--val_fraction", type=float, action="append",
-                   help="held-out fraction to count (repeatable); default 0.02, the data module's")  # fmt: skip
-    p.add_argument("--no_labels", action="store_true", help="shards without .cls labels")
-    args = p.parse_args(argv)
-    fractions = args.val_fraction or [0.02]
-    for folder in _shard_folders(args.dirs):
-        urls = expand_shards(folder)
-        for vf in fractions:
-            counts = index_shards(urls, vf, labels=not args.no_labels)
-        written = [q for q in index_locations(Path(folder), SHARD_INDEX) if q.is_file()]
-        where = max(written, key=lambda q: q.stat().st_mtime_ns) if written else "none written (no writable folder)"
-        print(f"{folder}: {len(urls)} shards, {sum(c.total for c in counts)} samples; index: {where}")
-    return 0

@@ -25,12 +25,13 @@ webdataset's ShardWriter writes them, checked while reading). A held-out validat
 
 from __future__ import annotations
 
+import argparse
 import functools
 import glob
 import logging
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -43,11 +44,11 @@ from torchvision.transforms import v2
 
 from vitlab.data.base import ImageDataModule, per_device_batch
 from vitlab.data.decode import BadImageError, load_rgb
-from vitlab.data.folder import name_hash
 from vitlab.data.loaders import available_cpus
 from vitlab.data.memory import BatchAugment, MemoryImages, batch_collate, decode_into_memory, normalise_batch
 from vitlab.data.public import ensure_public
-from vitlab.data.shard_index import ShardCounts, indexed_counts
+from vitlab.data.shard_index import SHARD_INDEX, ShardCounts, index_locations, indexed_counts
+from vitlab.data.split import key_in_val
 from vitlab.data.transforms import eval_transform
 from vitlab.data.unlabelled import NO_LABELS_FIX, UNLABELLED, LabelsOption
 
@@ -90,11 +91,6 @@ def expand_shards(spec: str) -> list[str]:
     if not urls:
         raise FileNotFoundError(f"no shards in {spec!r}")
     return urls
-
-
-def key_in_val(key: str, val_fraction: float) -> bool:
-    """Deterministic held-out membership from the key alone (stable across ranks, runs and shard order)."""
-    return name_hash(key) < val_fraction * 2.0**64
 
 
 def _raw_samples(url: str) -> Iterator[dict[str, Any]]:
@@ -565,3 +561,36 @@ class ShardDataModule(LabelsOption, ImageDataModule):
                 )  # fmt: skip
             return self._augment(images, labels, size=self.img_size_at(trainer.current_epoch))
         return normalise_batch(images, self.mean, self.std), labels
+
+
+def _shard_folders(paths: Iterable[str]) -> list[str]:
+    """Each path, or its train/ and val/ shard folders when it has them (the layout DATA= accepts)."""
+    out = []
+    for p in paths:
+        subs = [os.path.join(p, s) for s in ("train", "val") if os.path.isdir(os.path.join(p, s))]
+        out += subs or [p]
+    return out
+
+
+def index_shards_main(argv: list[str] | None = None) -> int:
+    """`vitlab index-shards DIR...`: count every shard once and write the index that later starts read."""
+    p = argparse.ArgumentParser(
+        prog="vitlab index-shards",
+        description="Write shardindex.json (per-shard sample counts, held-out split counts) for shard folders, "
+        "beside the shards when writable, else in the cache folder; training starts then read it instead of "
+        "every shard.",
+    )
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a shard folder, or one with train/ and val/ shard folders")
+    p.add_argument("--val_fraction", type=float, action="append",
+                   help="held-out fraction to count (repeatable); default 0.02, the data module's")  # fmt: skip
+    p.add_argument("--no_labels", action="store_true", help="shards without .cls labels")
+    args = p.parse_args(argv)
+    fractions = args.val_fraction or [0.02]
+    for folder in _shard_folders(args.dirs):
+        urls = expand_shards(folder)
+        for vf in fractions:
+            counts = index_shards(urls, vf, labels=not args.no_labels)
+        written = [q for q in index_locations(Path(folder), SHARD_INDEX) if q.is_file()]
+        where = max(written, key=lambda q: q.stat().st_mtime_ns) if written else "none written (no writable folder)"
+        print(f"{folder}: {len(urls)} shards, {sum(c.total for c in counts)} samples; index: {where}")
+    return 0
