@@ -110,11 +110,9 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         """List the image files into the file index (vitlab.data.shard_index) where it is missing or out
         of date. Lightning runs this once per node while the other ranks wait, so their `setup` reads
         the index instead of walking the tree."""
-        if self.labels:
-            train_dir, val_dir, test_dir = self._layout()
-            for folder in (train_dir, val_dir, test_dir):
-                if folder is not None:
-                    indexed_files(folder, self.class_names, IMG_EXTENSIONS)
+        for folder in self._layout() if self.labels else ():
+            if folder is not None:
+                indexed_files(folder, self.class_names, IMG_EXTENSIONS)
 
     def _scan(self, folder: Path, classes: list[str]) -> list[tuple[str, int]]:
         """(path, class index) of every image, in torchvision's make_dataset order, from the file index."""
@@ -142,9 +140,8 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             samples, val_samples = [samples[i] for i in train], [samples[i] for i in val]
         else:
             val_samples = []
-        self.train_dataset = ImageFileDataset(samples, self.train_transform(), self.skip_bad_images)
-        self.val_dataset = (
-            ImageFileDataset(val_samples, self.eval_transform(), self.skip_bad_images) if val_samples else None
-        )
+        skip = self.skip_bad_images
+        self.train_dataset = ImageFileDataset(samples, self.train_transform(), skip)
+        self.val_dataset = ImageFileDataset(val_samples, self.eval_transform(), skip) if val_samples else None
         if test_dir is not None:
-            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), self.skip_bad_images)
+            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), skip)

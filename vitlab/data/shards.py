@@ -503,8 +503,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         # eval_transform's ToRGB, Resize, CenterCrop: the streaming path's preprocessing up to the float conversion
         preprocess = None if split == "train" else v2.Compose(eval_transform(self._preprocessing()).transforms[:3])
         data = decode_into_memory(stream, stream.total, transform=preprocess)
-        trainer = self._trainer()
-        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
         return data.to(device) if device is not None and device.type == "cuda" else data
 
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
@@ -517,7 +516,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         if not self.in_memory:
             return batch
         images, labels = batch
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None and trainer.training:
             if self._augment is None:
                 self._augment = BatchAugment(self.img_size, self.train_crop, self.scale_min, self.hflip, self.mean,
