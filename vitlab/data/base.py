@@ -35,8 +35,6 @@ from vitlab.data.transforms import (
 
 def per_device_batch(batch_size: int, world_size: int) -> int:
     """The global batch split over `world_size` processes; it must divide exactly."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if batch_size % world_size:
@@ -205,7 +203,6 @@ class ImageDataModule(L.LightningDataModule):
 
     @property
     def per_device_batch_size(self) -> int:
-        """`batch_size // world_size`; ValueError when the global batch does not divide."""
         return per_device_batch(self.batch_size, self.world_size)
 
     @property

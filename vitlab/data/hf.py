@@ -165,8 +165,6 @@ class HFDataModule(ImageDataModule):
                 self.path, self.name, data_dir=self.data_dir, data_files=self.data_files,
                 cache_dir=self.cache_dir, streaming=self.streaming,
             )  # fmt: skip
-            if not hasattr(self._dd, "keys"):  # a single split came back
-                self._dd = {self.train_split: self._dd}
         return self._dd
 
     def prepare_data(self) -> None:

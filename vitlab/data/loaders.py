@@ -105,7 +105,5 @@ class BatchedDataset(Dataset):
 
 
 def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # respects taskset/cgroup pinning, unlike cpu_count
-    except AttributeError:
-        return os.cpu_count() or 1
+    """The CPUs this process may run on (taskset/cgroup pinning respected, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

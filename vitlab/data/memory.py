@@ -82,9 +82,8 @@ def decode_into_memory(
         if images is None:
             size = t.shape[-1]
             images = torch.empty((count, *t.shape), dtype=torch.uint8)
-            log.info(
-                "decoding %d images into memory as %s uint8 (%.2f GB)", count, tuple(t.shape), images.numel() / 1e9
-            )
+            log.info("decoding %d images into memory as %s uint8 (%.2f GB)", count, tuple(t.shape),
+                     images.numel() / 1e9)  # fmt: skip
         images[i] = t
         labels[i] = label
         keys.append(key)

@@ -37,7 +37,6 @@ FILES_KIND = "vitlab-file-index-v1"
 
 
 def cache_root() -> Path:
-    """$XDG_CACHE_HOME/vitlab, else ~/.cache/vitlab."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vitlab"
 
 

@@ -56,7 +56,6 @@ log = logging.getLogger("vitlab.data")
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
-LABEL_KEYS = ("cls",)
 Part = Literal["all", "train", "val"]
 SplitIndex = tuple[list[str], list[int], Part, float]  # urls, per-shard counts, part of each shard, val_fraction
 RECOUNT = "(num_samples wrong, or the file changed); leave num_samples unset to recount"
@@ -102,25 +101,23 @@ def sample_label(sample: dict[str, Any], labels: bool = True) -> int:
     """The sample's class index; UNLABELLED (-1) for every sample when `labels` is False."""
     if not labels:
         return UNLABELLED
-    for k in LABEL_KEYS:
-        if k in sample:
-            try:
-                return int(sample[k].decode().strip() if isinstance(sample[k], bytes) else sample[k])
-            except ValueError:
-                where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
-                raise ValueError(f"{where}: bad label {sample[k]!r}") from None
-    raise KeyError(
-        f"sample {sample.get('__key__')} in {sample.get('__url__')} has no .cls label (has {_exts(sample)}); "
-        + NO_LABELS_FIX
-    )
+    if "cls" not in sample:
+        raise KeyError(f"{_where(sample)} has no .cls label (has {_exts(sample)}); {NO_LABELS_FIX}")
+    try:
+        return int(sample["cls"])  # int() reads bytes too, whitespace around the digits included
+    except ValueError:
+        raise ValueError(f"{_where(sample)}: bad label {sample['cls']!r}") from None
 
 
 def sample_image(sample: dict[str, Any]) -> bytes:
     for k in IMAGE_KEYS:
         if k in sample:
             return sample[k]
-    where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
-    raise KeyError(f"{where} has no image ({'/'.join(IMAGE_KEYS)}); has {_exts(sample)}")
+    raise KeyError(f"{_where(sample)} has no image ({'/'.join(IMAGE_KEYS)}); has {_exts(sample)}")
+
+
+def _where(sample: dict[str, Any]) -> str:
+    return f"sample {sample.get('__key__')} in {sample.get('__url__')}"
 
 
 def _exts(sample: dict[str, Any]) -> str:
@@ -298,8 +295,7 @@ class ShardStream(IterableDataset):
     def _label_checked(self, sample: dict[str, Any]) -> int:
         label = sample_label(sample, self.labels)
         if self.labels and self.num_classes is not None and not 0 <= label < self.num_classes:
-            where = f"sample {sample['__key__']} in {sample['__url__']}"
-            raise ValueError(f"{where}: label {label} outside [0, {self.num_classes})")
+            raise ValueError(f"{_where(sample)}: label {label} outside [0, {self.num_classes})")
         return label
 
     def __iter__(self) -> Iterator[Any]:
@@ -312,10 +308,9 @@ class ShardStream(IterableDataset):
             rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}")
             raw = wds.filters.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(raw)
         if self.decoder is None:
-            for sample in raw:
-                yield sample["__key__"], self._label_checked(sample)
-            return
-        yield from self._decoded(raw)
+            yield from ((sample["__key__"], self._label_checked(sample)) for sample in raw)
+        else:
+            yield from self._decoded(raw)
 
     def _decoded(self, raw: Iterator[dict[str, Any]]) -> Iterator[Any]:
         # A skipped image's slot is refilled by re-augmenting the last good sample: the per-rank
@@ -410,12 +405,10 @@ class ShardDataModule(LabelsOption, ImageDataModule):
 
     def _discover_class_names(self) -> list[str]:
         urls = self._urls()
-        if not _is_remote(urls[0]):
-            txt = Path(urls[0]).parent / "classes.txt"
-            names = read_classes_txt(txt)
-            if names is not None:
-                self._class_where = str(txt)
-                return names
+        txt = Path(urls[0]).parent / "classes.txt"
+        if not _is_remote(urls[0]) and (names := read_classes_txt(txt)) is not None:
+            self._class_where = str(txt)
+            return names
         if self._num_classes_arg is not None:
             return [str(i) for i in range(self._num_classes_arg)]
         if self.num_samples is not None and not self.held_out:
