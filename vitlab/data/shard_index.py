@@ -17,6 +17,7 @@ bucket goes read-only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -228,12 +229,10 @@ def indexed_rows(key: dict[str, Any], count: Callable[[], list[int]]) -> list[in
     its local files' mtimes): from the cache folder's index, else `count()`, then written there."""
     text = json.dumps(key, sort_keys=True, default=str)
     path = cache_root() / "streams" / f"{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}.json"
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no index yet, or an unreadable one
         doc = json.loads(path.read_text())
         if doc.get("key") == json.loads(text):
             return doc["shard_rows"]
-    except (OSError, ValueError, AttributeError):
-        pass
     rows = count()
     try:
         _write_json(path, {"key": json.loads(text), "shard_rows": rows})
