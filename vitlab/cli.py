@@ -272,7 +272,7 @@ def _run(argv: list[str]) -> int:
 
         return resolution_main(argv[1:])
     if argv and argv[0] == "index-shards":
-        from vitlab.data.shard_index import main as index_shards_main
+        from vitlab.data.shards import index_shards_main
 
         return index_shards_main(argv[1:])
     if argv and argv[0] in TOOLS:

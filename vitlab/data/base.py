@@ -35,8 +35,6 @@ from vitlab.data.transforms import (
 
 def per_device_batch(batch_size: int, world_size: int) -> int:
     """The global batch split over `world_size` processes; it must divide exactly."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if batch_size % world_size:
@@ -53,19 +51,14 @@ def check_img_size_schedule(schedule: Sequence[Sequence[int]] | None, img_size: 
     (the size the model is built, validated and saved at). One ValueError line naming the fix."""
     if schedule is None:
         return None
+    example = f"e.g. [[0, 16], [3, 24], [6, {img_size}]]; got {schedule!r}"
     try:
         pairs = [(int(e), int(s)) for e, s in schedule]
     except (TypeError, ValueError):
-        raise ValueError(
-            f"img_size_schedule must be a list of [epoch, size] pairs, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
-            f"got {schedule!r}"
-        ) from None
+        raise ValueError(f"img_size_schedule must be a list of [epoch, size] pairs, {example}") from None
     epochs = [e for e, _ in pairs]
     if not pairs or epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
-        raise ValueError(
-            f"img_size_schedule epochs must start at 0 and increase, e.g. [[0, 16], [3, 24], [6, {img_size}]]; "
-            f"got {schedule!r}"
-        )
+        raise ValueError(f"img_size_schedule epochs must start at 0 and increase, {example}")
     if any(s < 1 for _, s in pairs):
         raise ValueError(f"img_size_schedule sizes must be >= 1, got {schedule!r}")
     if pairs[-1][1] != img_size:
@@ -126,24 +119,14 @@ class ImageDataModule(L.LightningDataModule):
             raise ValueError(f"num_classes must be >= 1 or None (from the data), got {num_classes}")
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"mean and std need 3 values (RGB), got {mean} and {std}")
-        self.img_size = img_size
-        self.batch_size = batch_size
-        self.num_workers = num_workers
+        self.img_size, self.batch_size, self.num_workers = img_size, batch_size, num_workers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.train_crop = train_crop
-        self.scale_min = scale_min
-        self.hflip = hflip
-        self.auto_augment = auto_augment
-        self.randaugment_magnitude = randaugment_magnitude
-        self.mixup_alpha = mixup_alpha
-        self.cutmix_alpha = cutmix_alpha
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
-        self.interpolation = interpolation
-        self.crop_pct = crop_pct
-        self.skip_bad_images = skip_bad_images
-        self.seed = seed
-        self.eval_equal_batches = eval_equal_batches
+        self.train_crop, self.scale_min, self.hflip = train_crop, scale_min, hflip
+        self.auto_augment, self.randaugment_magnitude = auto_augment, randaugment_magnitude
+        self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+        self.interpolation, self.crop_pct = interpolation, crop_pct
+        self.skip_bad_images, self.seed, self.eval_equal_batches = skip_bad_images, seed, eval_equal_batches
         self._num_classes_arg = num_classes
         # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
         # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.run.img_size_schedule).
@@ -190,13 +173,8 @@ class ImageDataModule(L.LightningDataModule):
         return len(self.class_names)
 
     def _preprocessing(self) -> dict[str, Any]:
-        return dict(
-            img_size=[self.img_size, self.img_size],
-            mean=list(self.mean),
-            std=list(self.std),
-            interpolation=self.interpolation,
-            crop_pct=self.crop_pct,
-        )
+        return {"img_size": [self.img_size, self.img_size], "mean": list(self.mean), "std": list(self.std),
+                "interpolation": self.interpolation, "crop_pct": self.crop_pct}  # fmt: skip
 
     @property
     def data_config(self) -> dict[str, Any]:
@@ -211,26 +189,20 @@ class ImageDataModule(L.LightningDataModule):
 
     # ---- distribution -----------------------------------------------------------------------------
 
-    def _trainer(self) -> Any:
-        return getattr(self, "trainer", None)
-
     @property
     def world_size(self) -> int:
-        trainer = self._trainer()
-        if trainer is not None:
-            return int(trainer.world_size)
+        if self.trainer is not None:
+            return int(self.trainer.world_size)
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
     def global_rank(self) -> int:
-        trainer = self._trainer()
-        if trainer is not None:
-            return int(trainer.global_rank)
+        if self.trainer is not None:
+            return int(self.trainer.global_rank)
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
     def per_device_batch_size(self) -> int:
-        """`batch_size // world_size`; ValueError when the global batch does not divide."""
         return per_device_batch(self.batch_size, self.world_size)
 
     @property
@@ -238,8 +210,7 @@ class ImageDataModule(L.LightningDataModule):
         """`num_workers`, or when None: the CPUs per local device less one for the main process, at most 8."""
         if self.num_workers is not None:
             return self.num_workers
-        trainer = self._trainer()
-        local = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if trainer is not None else 1
+        local = max(1, int(getattr(self.trainer, "num_devices", 1) or 1))
         return max(0, min(8, available_cpus() // local - 1))
 
     # ---- transforms -------------------------------------------------------------------------------
@@ -306,56 +277,47 @@ class ImageDataModule(L.LightningDataModule):
             return False
         if self.eval_equal_batches is not None:
             return self.eval_equal_batches
-        strategy = getattr(self._trainer(), "strategy", None)
+        strategy = getattr(self.trainer, "strategy", None)
         return strategy is not None and not (
             isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
         )
-
-    def eval_loader(
-        self, dataset: Dataset, collate_fn: Callable | None = None, num_workers: int = 0, pin_memory: bool = True
-    ) -> DataLoader:
-        """The validation/test loader of a map-style dataset: every image once over all ranks, with
-        `EqualBatchSampler` when `equal_eval_batches`, else `eval_sampler`. `pin_memory=False` turns
-        pinning off for data already on the device."""
-        common: dict[str, Any] = {
-            "num_workers": num_workers, "pin_memory": self.pin_memory and pin_memory, "persistent_workers": num_workers > 0,
-            "worker_init_fn": WorkerInit(self.global_rank) if num_workers > 0 else None,
-        }
-        if not self.equal_eval_batches:
-            return DataLoader(
-                dataset, batch_size=self.per_device_batch_size, sampler=self.eval_sampler(dataset),
-                collate_fn=collate_fn, **common,
-            )  # fmt: skip
-        sampler = EqualBatchSampler(len(dataset), self.world_size, self.global_rank, self.per_device_batch_size)
-        # The sampler yields whole batches (index lists): no automatic batching, the dataset collates.
-        return DataLoader(BatchedDataset(dataset, collate_fn), batch_size=None, sampler=sampler, **common)
 
     def _loader(
         self, dataset: Dataset, train: bool, collate_fn: Callable | None = None, num_workers: int | None = None,
         pin_memory: bool = True,
     ) -> DataLoader:
-        """Map-style evaluation data: `eval_loader`. Otherwise a StatefulDataLoader, whose position
-        Lightning checkpoints (and WorkerRandomState its workers' random streams) so that a mid-epoch
-        resume continues exactly; a streamed dataset learns each epoch from it (`EpochLoader`)."""
+        """Training or streamed data: a StatefulDataLoader, whose position Lightning checkpoints (and
+        WorkerRandomState its workers' random streams) so that a mid-epoch resume continues exactly; a
+        streamed dataset learns each epoch from it (`EpochLoader`). Map-style evaluation data: every image
+        once over all ranks, by `EqualBatchSampler` when `equal_eval_batches`, else by `eval_sampler`.
+        `pin_memory=False` turns pinning off for data already on the device."""
         workers = self.resolved_num_workers if num_workers is None else num_workers
+        common: dict[str, Any] = {
+            "num_workers": workers, "pin_memory": self.pin_memory and pin_memory, "persistent_workers": workers > 0,
+            "worker_init_fn": WorkerInit(self.global_rank) if workers > 0 else None,
+        }  # fmt: skip
         stream = isinstance(dataset, torch.utils.data.IterableDataset)
-        if not train and not stream:
-            return self.eval_loader(dataset, collate_fn, workers, pin_memory)
-        sampler = None if stream else self.train_sampler(dataset)
-        return EpochLoader(
-            dataset if stream else WorkerRandomState(dataset), batch_size=self.per_device_batch_size,
-            shuffle=not stream and sampler is None, sampler=sampler, num_workers=workers,
-            pin_memory=self.pin_memory and pin_memory, persistent_workers=workers > 0,
-            collate_fn=collate_fn or (self.train_collate() if train else None),
-            generator=None if stream else torch.Generator().manual_seed(self.seed),
-            worker_init_fn=WorkerInit(self.global_rank) if workers > 0 else None, epoch_fn=self._epoch_fn(),
-        )  # fmt: skip
+        if train or stream:
+            sampler = None if stream else self.train_sampler(dataset)
+            return EpochLoader(
+                dataset if stream else WorkerRandomState(dataset), batch_size=self.per_device_batch_size,
+                shuffle=not stream and sampler is None, sampler=sampler,
+                collate_fn=collate_fn or (self.train_collate() if train else None),
+                generator=None if stream else torch.Generator().manual_seed(self.seed), epoch_fn=self._epoch_fn(),
+                **common,
+            )  # fmt: skip
+        if not self.equal_eval_batches:
+            sampler = self.eval_sampler(dataset)
+            return DataLoader(dataset, self.per_device_batch_size, sampler=sampler, collate_fn=collate_fn, **common)
+        sampler = EqualBatchSampler(len(dataset), self.world_size, self.global_rank, self.per_device_batch_size)
+        # The sampler yields whole batches (index lists): no automatic batching, the dataset collates.
+        return DataLoader(BatchedDataset(dataset, collate_fn), batch_size=None, sampler=sampler, **common)
 
     def _epoch_fn(self) -> Callable[[], int] | None:
         """What a loader calls as it starts an epoch: the trainer's epoch, after setting the schedule's
         train size for it. Then, before any worker crops an image of the epoch, and also when a resumed
         run restarts its loader, the size follows the epoch alone: the same on every rank."""
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is None:
             return None
 

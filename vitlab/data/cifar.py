@@ -11,7 +11,7 @@ from torch.utils.data import Subset
 from torchvision.datasets import CIFAR10, CIFAR100
 
 from vitlab.data.base import ImageDataModule
-from vitlab.data.folder import held_out_split
+from vitlab.data.split import held_out_split
 from vitlab.data.transforms import TrainCrop
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

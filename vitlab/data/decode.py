@@ -16,10 +16,7 @@ class BadImageError(RuntimeError):
 
 
 def load_rgb(src: str | os.PathLike | bytes, name: str | None = None) -> Image.Image:
-    """Decode an image file (path or bytes) to RGB now, so corrupt/truncated/empty files fail here.
-
-    Raises BadImageError naming the file instead of a PIL traceback from deep inside a worker.
-    """
+    """Decode an image file (path or bytes) to RGB now; BadImageError names `name` (else the path)."""
     name = name or str(src)
     try:
         with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as img:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from vitlab.data.base import ImageDataModule
 from vitlab.data.image_files import ImageFileDataset
 from vitlab.data.shard_index import indexed_files
+from vitlab.data.split import held_out_split, name_hash
 from vitlab.data.unlabelled import NO_LABELS_FIX, LabelsOption, unlabelled_samples
 
 TRAIN_DIRS = ("train", "imagenet21k_train")
@@ -36,31 +35,6 @@ def _class_dirs(folder: Path) -> list[str]:
 
 def _has_image(folder: Path) -> bool:
     return any(f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True) for f in files)
-
-
-def name_hash(name: str) -> int:
-    """A stable 64-bit hash (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
-
-
-def held_out_split(targets: Sequence[int], fraction: float, keys: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """(train, val) indices: per class, the round(fraction * n) items of lowest key go to val; with
-    fraction > 0, a class of two or more gives at least one and keeps at least one for train.
-
-    The keys decide the draw, so they make it the same on every rank and in every run: hashes of the
-    file names here (`name_hash`, independent of directory-listing order), a seeded permutation for
-    CIFAR, whose images have no names.
-    """
-    by_class: dict[int, list[tuple[Any, int]]] = {}
-    for i, (target, key) in enumerate(zip(targets, keys)):
-        by_class.setdefault(target, []).append((key, i))
-    val: set[int] = set()
-    for items in by_class.values():
-        k = round(fraction * len(items))
-        if fraction > 0 and len(items) >= 2:
-            k = min(max(k, 1), len(items) - 1)
-        val.update(i for _, i in sorted(items)[:k])
-    return [i for i in range(len(targets)) if i not in val], sorted(val)
 
 
 class ImageFolderDataModule(LabelsOption, ImageDataModule):
@@ -136,11 +110,9 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         """List the image files into the file index (vitlab.data.shard_index) where it is missing or out
         of date. Lightning runs this once per node while the other ranks wait, so their `setup` reads
         the index instead of walking the tree."""
-        if self.labels:
-            train_dir, val_dir, test_dir = self._layout()
-            for folder in (train_dir, val_dir, test_dir):
-                if folder is not None:
-                    indexed_files(folder, self.class_names, IMG_EXTENSIONS)
+        for folder in self._layout() if self.labels else ():
+            if folder is not None:
+                indexed_files(folder, self.class_names, IMG_EXTENSIONS)
 
     def _scan(self, folder: Path, classes: list[str]) -> list[tuple[str, int]]:
         """(path, class index) of every image, in torchvision's make_dataset order, from the file index."""
@@ -168,9 +140,8 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             samples, val_samples = [samples[i] for i in train], [samples[i] for i in val]
         else:
             val_samples = []
-        self.train_dataset = ImageFileDataset(samples, self.train_transform(), self.skip_bad_images)
-        self.val_dataset = (
-            ImageFileDataset(val_samples, self.eval_transform(), self.skip_bad_images) if val_samples else None
-        )
+        skip = self.skip_bad_images
+        self.train_dataset = ImageFileDataset(samples, self.train_transform(), skip)
+        self.val_dataset = ImageFileDataset(val_samples, self.eval_transform(), skip) if val_samples else None
         if test_dir is not None:
-            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), self.skip_bad_images)
+            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), skip)

@@ -13,6 +13,7 @@ the user's cache folder (vitlab.data.shard_index) by `prepare_data`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -22,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from vitlab.data.base import ImageDataModule
 from vitlab.data.decode import BadImageError, load_rgb
-from vitlab.data.shard_index import indexed_rows, local_mtimes
+from vitlab.data.shard_index import indexed_rows
 from vitlab.data.transforms import pil_to_rgb
 
 log = logging.getLogger("vitlab.data")
@@ -91,10 +92,6 @@ class HFIterableImageDataset(IterableDataset):
         world_size: int = 1, shard_rows: list[int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if world_size > 1 and shard_rows is None:
-            raise ValueError("a stream split over ranks needs its per-shard row counts (shard_rows)")
         ds = ds.select_columns([image_column, label_column])
         if world_size > 1:
             from datasets.distributed import split_dataset_by_node
@@ -168,8 +165,6 @@ class HFDataModule(ImageDataModule):
                 self.path, self.name, data_dir=self.data_dir, data_files=self.data_files,
                 cache_dir=self.cache_dir, streaming=self.streaming,
             )  # fmt: skip
-            if not hasattr(self._dd, "keys"):  # a single split came back
-                self._dd = {self.train_split: self._dd}
         return self._dd
 
     def prepare_data(self) -> None:
@@ -184,8 +179,9 @@ class HFDataModule(ImageDataModule):
         """Rows in each shard of a streamed split, counted once (label column only) into the index."""
         files = self.data_files if isinstance(self.data_files, dict) else {"": self.data_files or []}
         local = [self.data_dir or "", *(f for v in files.values() for f in ([v] if isinstance(v, str) else v))]
+        mtimes = {p: os.stat(p).st_mtime_ns for p in local if os.path.exists(p)}  # a changed local dataset: new index
         key = {"path": self.path, "name": self.name, "data_dir": self.data_dir, "data_files": self.data_files,
-               "split": split, "num_shards": ds.num_shards, "mtimes": local_mtimes(local)}  # fmt: skip
+               "split": split, "num_shards": ds.num_shards, "mtimes": mtimes}  # fmt: skip
 
         def count() -> list[int]:
             labels = ds.select_columns([self.label_column])

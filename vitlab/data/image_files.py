@@ -23,10 +23,7 @@ class ImageFileDataset(Dataset):
     """
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Any = None, skip_bad: bool = False) -> None:
-        self.samples = list(samples)
-        self.targets = [t for _, t in self.samples]
-        self.transform = transform
-        self.skip_bad = skip_bad
+        self.samples, self.transform, self.skip_bad = list(samples), transform, skip_bad
         self.bad = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
 
     @property

@@ -24,8 +24,7 @@ class EpochLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Any, *args: Any, epoch_fn: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self.epoch_fn = epoch_fn
-        self.passes = 0
+        self.epoch_fn, self.passes = epoch_fn, 0
 
     def __iter__(self) -> Any:
         epoch = self.epoch_fn() if self.epoch_fn is not None else self.passes
@@ -93,8 +92,7 @@ class BatchedDataset(Dataset):
     """`dataset` read a batch at a time: an index list gives the collated batch."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable | None = None) -> None:
-        self.dataset = dataset
-        self.collate_fn = collate_fn or default_collate
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -105,7 +103,5 @@ class BatchedDataset(Dataset):
 
 
 def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # respects taskset/cgroup pinning, unlike cpu_count
-    except AttributeError:
-        return os.cpu_count() or 1
+    """The CPUs this process may run on (taskset/cgroup pinning respected, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

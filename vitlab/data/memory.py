@@ -32,10 +32,6 @@ class MemoryImages(Dataset):
     """uint8 images [N, 3, H, W] and int64 labels [N]; `__getitems__` returns a whole batch at once."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, keys: Sequence[str] | None = None) -> None:
-        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"expected uint8 images [N, 3, H, W], got {images.dtype} {tuple(images.shape)}")
-        if labels.shape != (images.shape[0],):
-            raise ValueError(f"{images.shape[0]} images but labels of shape {tuple(labels.shape)}")
         self.images, self.labels = images, labels.long()
         self.keys = list(keys) if keys is not None else None
 
@@ -73,7 +69,7 @@ def decode_into_memory(
 
     `transform` (a PIL -> PIL transform, e.g. the evaluation resize + crop) is applied first; otherwise
     images are stored at the first image's side (others are resized and centre-cropped to it). `count`
-    preallocates the tensor; fewer samples than that is an error (the index lied).
+    preallocates the tensor; a different number of samples is an error (the index lied).
     """
     start = time.perf_counter()
     size: int | None = None
@@ -81,20 +77,13 @@ def decode_into_memory(
     labels = torch.empty(count, dtype=torch.int64)
     keys: list[str] = []
     for i, (key, img, label) in enumerate(samples):
-        if i >= count:
-            raise RuntimeError(f"more than the {count} indexed samples arrived (at {key}); the data changed")
         img = transform(img) if transform is not None else _fit_square(img, size or min(img.size))
         t = TF.pil_to_tensor(img)
         if images is None:
             size = t.shape[-1]
             images = torch.empty((count, *t.shape), dtype=torch.uint8)
-            log.info(
-                "decoding %d images into memory as %s uint8 (%.2f GB)", count, tuple(t.shape), images.numel() / 1e9
-            )
-        if t.shape != images.shape[1:]:
-            raise ValueError(
-                f"image {key} is {tuple(t.shape)} after preprocessing, the others {tuple(images.shape[1:])}"
-            )
+            log.info("decoding %d images into memory as %s uint8 (%.2f GB)", count, tuple(t.shape),
+                     images.numel() / 1e9)  # fmt: skip
         images[i] = t
         labels[i] = label
         keys.append(key)

@@ -45,17 +45,14 @@ def _fetch_tinyimagenet(root: Path) -> None:
         _write_split(root / out, ((r["image"]["bytes"], r["label"]) for r in ds[split]), names)
 
 
-def _read_bytes(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
 def _fetch_imagenette(root: Path) -> None:
     from torchvision.datasets import Imagenette
 
     raw = root / "download"
     for split in ("train", "val"):
         # The loader hands back the file's bytes: the JPEGs go into the shards as they are.
-        ds = Imagenette(str(raw), split=split, size="160px", download=split == "train", loader=_read_bytes)
+        ds = Imagenette(str(raw), split=split, size="160px", download=split == "train",
+                        loader=lambda path: Path(path).read_bytes())  # fmt: skip
         _write_split(root / split, (ds[i] for i in range(len(ds))), [c[0] for c in ds.classes])
 
 

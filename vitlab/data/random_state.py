@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
@@ -49,16 +50,11 @@ def get_rng_state() -> dict[str, Any]:
     """This process's torch / python / numpy (and CUDA) random states, as tensors and plain values
     (loadable with `torch.load(weights_only=True)`)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {
-            "kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss),
-        }  # fmt: skip
-    except ImportError:  # pragma: no cover
-        pass
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = {
+        "kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+        "has_gauss": int(has_gauss), "gauss": float(gauss),
+    }  # fmt: skip
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -71,8 +67,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))  # a list in checkpoints of earlier vitlab versions
     if "numpy" in state:
-        import numpy as np
-
         s = state["numpy"]
         np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():

@@ -11,19 +11,20 @@ Each is written beside the data when that folder is writable, else into the user
 is used only while its file's size and mtime (a class folder's mtime) are unchanged; a changed or new
 shard is counted again and the index updated. Under DDP the DataModule's `prepare_data` (Lightning
 runs it on local rank 0 while the other ranks wait at a barrier) writes the index that every rank's
-`setup` then reads. `vitlab index-shards DIR` writes it ahead, e.g. before a bucket goes read-only.
+`setup` then reads. `vitlab index-shards DIR` (vitlab.data.shards) writes it ahead, e.g. before a
+bucket goes read-only.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ FILES_KIND = "vitlab-file-index-v1"
 
 
 def cache_root() -> Path:
-    """$XDG_CACHE_HOME/vitlab, else ~/.cache/vitlab."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vitlab"
 
 
@@ -61,18 +61,12 @@ def load_index(folder: Path, name: str, kind: str) -> list[dict[str, Any]]:
     return docs
 
 
-def _writable(folder: Path) -> bool:
-    """Writable by us, and not marked read-only (no write bit), which root would otherwise ignore."""
-    try:
-        return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
-    except OSError:
-        return False
-
-
 def save_index(folder: Path, name: str, doc: dict[str, Any]) -> Path | None:
     """Write `doc` atomically beside the data, else into the cache folder; None when neither is writable."""
     beside, cached = index_locations(folder, name)
-    for path in ([beside] if _writable(folder) else []) + [cached]:
+    # beside only where writable by us and not marked read-only (no write bit), which root would ignore
+    writable = os.access(folder, os.W_OK) and folder.stat().st_mode & 0o222
+    for path in ([beside] if writable else []) + [cached]:
         try:
             _write_json(path, doc)
         except OSError:
@@ -154,33 +148,24 @@ def indexed_counts(
 ) -> list[ShardCounts]:
     """Counts of local shard files: from the index where it is current, else `count(missing)`, which are
     then written to the index of each folder involved."""
-    groups: dict[Path, list[int]] = {}
-    for i, p in enumerate(paths):
-        groups.setdefault(Path(os.path.abspath(p)).parent, []).append(i)  # a symlinked shard: the link's folder
-    out: list[ShardCounts | None] = [None] * len(paths)
     stats = [os.stat(p) for p in paths]
-    entries: dict[Path, dict[str, dict[str, Any]]] = {}
-    for folder, idx in groups.items():
-        docs = [_by_url(doc) for doc in load_index(folder, SHARD_INDEX, WIDS_KIND)]
-        for i in idx:
-            name = Path(paths[i]).name
-            found = (_from_entry(d[name], stats[i], val_fraction, labels) for d in docs if name in d)
-            out[i] = next((c for c in found if c is not None), None)
-        entries[folder] = {k: v for d in reversed(docs) for k, v in d.items()}  # beside the data wins
+    names = [Path(p).name for p in paths]
+    folders = [Path(os.path.abspath(p)).parent for p in paths]  # a symlinked shard: the link's folder
+    docs = {f: [_by_url(doc) for doc in load_index(f, SHARD_INDEX, WIDS_KIND)] for f in set(folders)}
+    out: list[ShardCounts | None] = []
+    for name, st, folder in zip(names, stats, folders):
+        found = (_from_entry(d[name], st, val_fraction, labels) for d in docs[folder] if name in d)
+        out.append(next((c for c in found if c is not None), None))
     missing = [i for i, c in enumerate(out) if c is None]
-    if not missing:
-        return out  # type: ignore[return-value]
-    log.info("counting the samples of %d of %d shards (then indexed for later starts)", len(missing), len(paths))
-    for i, counts in zip(missing, count([paths[i] for i in missing])):
-        out[i] = counts
-    recounted = set(missing)
-    for folder, idx in groups.items():
-        if recounted.isdisjoint(idx):
-            continue
-        merged = entries[folder]
-        for i in recounted.intersection(idx):
-            name = Path(paths[i]).name
-            merged[name] = _to_entry(name, stats[i], out[i], val_fraction, labels, merged.get(name))  # type: ignore
+    if missing:
+        log.info("counting the samples of %d of %d shards (then indexed for later starts)", len(missing), len(paths))
+        for i, counts in zip(missing, count([paths[i] for i in missing])):
+            out[i] = counts
+    for folder in {folders[i] for i in missing}:
+        merged = {k: v for d in reversed(docs[folder]) for k, v in d.items()}  # beside the data wins
+        for i in [i for i in missing if folders[i] == folder]:
+            n = names[i]
+            merged[n] = _to_entry(n, stats[i], out[i], val_fraction, labels, merged.get(n))  # type: ignore[arg-type]
         present = [e for n, e in sorted(merged.items()) if (folder / n).exists()]
         doc = {"__kind__": WIDS_KIND, "wids_version": 1, "name": folder.name, "shardlist": present}
         save_index(folder, SHARD_INDEX, doc)
@@ -244,58 +229,13 @@ def indexed_rows(key: dict[str, Any], count: Callable[[], list[int]]) -> list[in
     its local files' mtimes): from the cache folder's index, else `count()`, then written there."""
     text = json.dumps(key, sort_keys=True, default=str)
     path = cache_root() / "streams" / f"{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}.json"
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no index yet, or an unreadable one
         doc = json.loads(path.read_text())
         if doc.get("key") == json.loads(text):
             return doc["shard_rows"]
-    except (OSError, ValueError, AttributeError):
-        pass
     rows = count()
     try:
         _write_json(path, {"key": json.loads(text), "shard_rows": rows})
     except OSError:
         log.warning("could not write the row index %s", path)
     return rows
-
-
-def local_mtimes(paths: Iterable[str]) -> dict[str, int]:
-    """mtime of each path that is a local file or folder (a changed local dataset gets a new index)."""
-    return {p: os.stat(p).st_mtime_ns for p in paths if os.path.exists(p)}
-
-
-# ---- `vitlab index-shards` ---------------------------------------------------------------------------
-
-
-def _shard_folders(paths: Iterable[str]) -> list[str]:
-    """Each path, or its train/ and val/ shard folders when it has them (the layout DATA= accepts)."""
-    out = []
-    for p in paths:
-        subs = [os.path.join(p, s) for s in ("train", "val") if os.path.isdir(os.path.join(p, s))]
-        out += subs or [p]
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`vitlab index-shards DIR...`: count every shard once and write the index that later starts read."""
-    from vitlab.data.shards import expand_shards, index_shards
-
-    p = argparse.ArgumentParser(
-        prog="vitlab index-shards",
-        description="Write shardindex.json (per-shard sample counts, held-out split counts) for shard folders, "
-        "beside the shards when writable, else in the cache folder; training starts then read it instead of "
-        "every shard.",
-    )
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="a shard folder, or one with train/ and val/ shard folders")
-    p.add_argument("--val_fraction", type=float, action="append",
-                   help="held-out fraction to count (repeatable); default 0.02, the data module's")  # fmt: skip
-    p.add_argument("--no_labels", action="store_true", help="shards without .cls labels")
-    args = p.parse_args(argv)
-    fractions = args.val_fraction or [0.02]
-    for folder in _shard_folders(args.dirs):
-        urls = expand_shards(folder)
-        for vf in fractions:
-            counts = index_shards(urls, vf, labels=not args.no_labels)
-        written = [q for q in index_locations(Path(folder), SHARD_INDEX) if q.is_file()]
-        where = max(written, key=lambda q: q.stat().st_mtime_ns) if written else "none written (no writable folder)"
-        print(f"{folder}: {len(urls)} shards, {sum(c.total for c in counts)} samples; index: {where}")
-    return 0

@@ -25,6 +25,8 @@ webdataset's ShardWriter writes them, checked while reading). A held-out validat
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import glob
 import logging
@@ -37,17 +39,16 @@ from typing import Any, Literal
 
 import torch
 import webdataset as wds
-from braceexpand import braceexpand
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
 from vitlab.data.base import ImageDataModule, per_device_batch
 from vitlab.data.decode import BadImageError, load_rgb
-from vitlab.data.folder import name_hash
 from vitlab.data.loaders import available_cpus
 from vitlab.data.memory import BatchAugment, MemoryImages, batch_collate, decode_into_memory, normalise_batch
 from vitlab.data.public import ensure_public
-from vitlab.data.shard_index import ShardCounts, indexed_counts
+from vitlab.data.shard_index import SHARD_INDEX, ShardCounts, index_locations, indexed_counts
+from vitlab.data.split import key_in_val
 from vitlab.data.transforms import eval_transform
 from vitlab.data.unlabelled import NO_LABELS_FIX, UNLABELLED, LabelsOption
 
@@ -55,8 +56,9 @@ log = logging.getLogger("vitlab.data")
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
-LABEL_KEYS = ("cls",)
 Part = Literal["all", "train", "val"]
+SplitIndex = tuple[list[str], list[int], Part, float]  # urls, per-shard counts, part of each shard, val_fraction
+RECOUNT = "(num_samples wrong, or the file changed); leave num_samples unset to recount"
 
 
 def _is_remote(spec: str) -> bool:
@@ -66,21 +68,16 @@ def _is_remote(spec: str) -> bool:
 def expand_shards(spec: str) -> list[str]:
     """A directory, a glob, a brace pattern (`a-{000000..000009}.tar`), or several joined by '::'."""
     urls: list[str] = []
-    for part in spec.split("::"):
-        part = part.strip()
-        if not part:
-            continue
-        if _is_remote(part):
-            urls += list(braceexpand(part))
-            continue
-        part = os.path.expanduser(part)
-        if os.path.isdir(part):
-            found = sorted(str(p) for p in Path(part).iterdir() if p.name.endswith(SHARD_SUFFIXES))
+    for name in wds.shardlists.expand_urls(spec):  # '::' and braces, as webdataset reads them
+        name = os.path.expanduser(name.strip())
+        if not name or _is_remote(name):
+            urls += [name] if name else []
+        elif os.path.isdir(name):
+            found = sorted(str(p) for p in Path(name).iterdir() if p.name.endswith(SHARD_SUFFIXES))
             if not found:
-                raise FileNotFoundError(f"no {'/'.join(SHARD_SUFFIXES)} shards in folder {part}")
+                raise FileNotFoundError(f"no {'/'.join(SHARD_SUFFIXES)} shards in folder {name}")
             urls += found
-            continue
-        for name in braceexpand(part):
+        else:
             matches = sorted(glob.glob(name)) if glob.has_magic(name) else [name] if os.path.exists(name) else []
             if not matches:
                 raise FileNotFoundError(
@@ -92,52 +89,35 @@ def expand_shards(spec: str) -> list[str]:
     return urls
 
 
-def key_in_val(key: str, val_fraction: float) -> bool:
-    """Deterministic held-out membership from the key alone (stable across ranks, runs and shard order)."""
-    return name_hash(key) < val_fraction * 2.0**64
-
-
 def _raw_samples(url: str) -> Iterator[dict[str, Any]]:
     """Samples of one shard as dicts of raw bytes (`__key__`, `jpg`, `cls`, ...), via webdataset."""
-    it = wds.tariterators.tarfile_samples([{"url": url}])
     try:
-        while True:
-            try:
-                sample = next(it)
-            except StopIteration:
-                return
-            except Exception as exc:
-                raise RuntimeError(f"cannot read shard {url}: {type(exc).__name__}: {exc}") from exc
-            yield sample
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
+        yield from wds.tariterators.tarfile_samples([{"url": url}])
+    except Exception as exc:
+        raise RuntimeError(f"cannot read shard {url}: {type(exc).__name__}: {exc}") from exc
 
 
 def sample_label(sample: dict[str, Any], labels: bool = True) -> int:
     """The sample's class index; UNLABELLED (-1) for every sample when `labels` is False."""
     if not labels:
         return UNLABELLED
-    for k in LABEL_KEYS:
-        if k in sample:
-            try:
-                return int(sample[k].decode().strip() if isinstance(sample[k], bytes) else sample[k])
-            except ValueError:
-                where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
-                raise ValueError(f"{where}: bad label {sample[k]!r}") from None
-    raise KeyError(
-        f"sample {sample.get('__key__')} in {sample.get('__url__')} has no .cls label (has {_exts(sample)}); "
-        + NO_LABELS_FIX
-    )
+    if "cls" not in sample:
+        raise KeyError(f"{_where(sample)} has no .cls label (has {_exts(sample)}); {NO_LABELS_FIX}")
+    try:
+        return int(sample["cls"])  # int() reads bytes too, whitespace around the digits included
+    except ValueError:
+        raise ValueError(f"{_where(sample)}: bad label {sample['cls']!r}") from None
 
 
 def sample_image(sample: dict[str, Any]) -> bytes:
     for k in IMAGE_KEYS:
         if k in sample:
             return sample[k]
-    where = f"sample {sample.get('__key__')} in {sample.get('__url__')}"
-    raise KeyError(f"{where} has no image ({'/'.join(IMAGE_KEYS)}); has {_exts(sample)}")
+    raise KeyError(f"{_where(sample)} has no image ({'/'.join(IMAGE_KEYS)}); has {_exts(sample)}")
+
+
+def _where(sample: dict[str, Any]) -> str:
+    return f"sample {sample.get('__key__')} in {sample.get('__url__')}"
 
 
 def _exts(sample: dict[str, Any]) -> str:
@@ -147,36 +127,31 @@ def _exts(sample: dict[str, Any]) -> str:
 _REMOTE_COUNTS: dict[tuple, ShardCounts] = {}  # remote shards have no index: counted once per process
 
 
-def _count_shard(url: str, val_fraction: float, labels: bool = True) -> ShardCounts:
-    """Read one shard through: its sample count, held-out count and largest label."""
-    total = val = 0
-    max_label = -1
-    for sample in _raw_samples(url):
-        sample_image(sample)  # every sample must have an image; fail at indexing, not mid-epoch
-        max_label = max(max_label, sample_label(sample, labels))
-        total += 1
-        val += val_fraction > 0 and key_in_val(sample["__key__"], val_fraction)
-    return ShardCounts(total, total - val, val, max_label)
-
-
 def _count_shards(urls: list[str], val_fraction: float, labels: bool) -> list[ShardCounts]:
-    """`_count_shard` in a few threads (zlib frees the GIL)."""
-    if not urls:
-        return []
-    threads = max(1, min(len(urls), available_cpus(), 8))
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda u: _count_shard(u, val_fraction, labels), urls))
+    """Read shards through, a few at once (zlib frees the GIL): sample count, held-out count, largest label."""
+
+    def count(url: str) -> ShardCounts:
+        total = val = 0
+        max_label = -1
+        for sample in _raw_samples(url):
+            sample_image(sample)  # every sample must have an image; fail at indexing, not mid-epoch
+            max_label = max(max_label, sample_label(sample, labels))
+            total += 1
+            val += val_fraction > 0 and key_in_val(sample["__key__"], val_fraction)
+        return ShardCounts(total, total - val, val, max_label)
+
+    with ThreadPoolExecutor(max(1, min(len(urls), available_cpus(), 8))) as pool:
+        return list(pool.map(count, urls))
 
 
 def index_shards(urls: list[str], val_fraction: float = 0.0, labels: bool = True) -> list[ShardCounts]:
     """Per-shard sample counts (and held-out split counts): local shards from their index
     (vitlab.data.shard_index), counted and indexed where it is missing or out of date."""
-    local = [u for u in urls if not _is_remote(u)]
     count = functools.partial(_count_shards, val_fraction=val_fraction, labels=labels)
+    local = [u for u in urls if not _is_remote(u)]
     counts = dict(zip(local, indexed_counts(local, count, val_fraction, labels)))
     remote = [u for u in urls if _is_remote(u) and (u, val_fraction, labels) not in _REMOTE_COUNTS]
-    for u, c in zip(remote, _count_shards(remote, val_fraction, labels)):
-        _REMOTE_COUNTS[u, val_fraction, labels] = c
+    _REMOTE_COUNTS.update({(u, val_fraction, labels): c for u, c in zip(remote, count(remote))})
     return [counts[u] if u in counts else _REMOTE_COUNTS[u, val_fraction, labels] for u in urls]
 
 
@@ -251,8 +226,6 @@ class ShardStream(IterableDataset):
         labels: bool = True,
     ) -> None:
         super().__init__()
-        if len(urls) != len(counts):
-            raise ValueError(f"{len(urls)} shards but {len(counts)} counts")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.urls, self.counts = list(urls), list(counts)
@@ -305,34 +278,24 @@ class ShardStream(IterableDataset):
 
     def _read_piece(self, s: int, first: int, stop: int) -> Iterator[dict[str, Any]]:
         url, i = self.urls[s], 0
-        samples = _raw_samples(url)
-        try:
+        with contextlib.closing(_raw_samples(url)) as samples:
             for sample in samples:
                 if self.part != "all" and key_in_val(sample["__key__"], self.val_fraction) != (self.part == "val"):
                     continue
                 if i >= stop:  # a sample past the indexed count: the shard changed since it was counted
-                    raise RuntimeError(
-                        f"shard {url} holds more than the {self.counts[s]} samples it was indexed with "
-                        "(num_samples wrong, or the file changed); leave num_samples unset to recount"
-                    )
+                    raise RuntimeError(f"shard {url} holds more than the {self.counts[s]} samples indexed {RECOUNT}")
                 if i >= first:
                     yield sample
                 i += 1
                 if i == stop and stop < self.counts[s]:
                     return  # the rest of the shard belongs to another rank/worker
-        finally:
-            samples.close()
         if i < stop:
-            raise RuntimeError(
-                f"shard {url} ended after {i} samples but was indexed with {self.counts[s]} "
-                "(num_samples wrong, or the file changed); leave num_samples unset to recount"
-            )
+            raise RuntimeError(f"shard {url} ended after {i} samples but was indexed with {self.counts[s]} {RECOUNT}")
 
     def _label_checked(self, sample: dict[str, Any]) -> int:
         label = sample_label(sample, self.labels)
         if self.labels and self.num_classes is not None and not 0 <= label < self.num_classes:
-            where = f"sample {sample['__key__']} in {sample['__url__']}"
-            raise ValueError(f"{where}: label {label} outside [0, {self.num_classes})")
+            raise ValueError(f"{_where(sample)}: label {label} outside [0, {self.num_classes})")
         return label
 
     def __iter__(self) -> Iterator[Any]:
@@ -345,10 +308,9 @@ class ShardStream(IterableDataset):
             rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{worker}")
             raw = wds.filters.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(raw)
         if self.decoder is None:
-            for sample in raw:
-                yield sample["__key__"], self._label_checked(sample)
-            return
-        yield from self._decoded(raw)
+            yield from ((sample["__key__"], self._label_checked(sample)) for sample in raw)
+        else:
+            yield from self._decoded(raw)
 
     def _decoded(self, raw: Iterator[dict[str, Any]]) -> Iterator[Any]:
         # A skipped image's slot is refilled by re-augmenting the last good sample: the per-rank
@@ -428,7 +390,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         self.in_memory, self.source = in_memory, source
         self._augment: BatchAugment | None = None
         self._train_urls: list[str] | None = None
-        self._index: dict[str, tuple[list[str], list[int], Part, float]] | None = None
+        self._index: dict[str, SplitIndex] | None = None
 
     @property
     def held_out(self) -> bool:
@@ -443,12 +405,10 @@ class ShardDataModule(LabelsOption, ImageDataModule):
 
     def _discover_class_names(self) -> list[str]:
         urls = self._urls()
-        if not _is_remote(urls[0]):
-            txt = Path(urls[0]).parent / "classes.txt"
-            names = read_classes_txt(txt)
-            if names is not None:
-                self._class_where = str(txt)
-                return names
+        txt = Path(urls[0]).parent / "classes.txt"
+        if not _is_remote(urls[0]) and (names := read_classes_txt(txt)) is not None:
+            self._class_where = str(txt)
+            return names
         if self._num_classes_arg is not None:
             return [str(i) for i in range(self._num_classes_arg)]
         if self.num_samples is not None and not self.held_out:
@@ -459,29 +419,27 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         counts = index_shards(urls, self.val_fraction if self.held_out else 0.0)
         return [str(i) for i in range(max(c.max_label for c in counts) + 1)]
 
-    def _build_index(self) -> dict[str, tuple[list[str], list[int], Part, float]]:
+    def _build_index(self) -> dict[str, SplitIndex]:
         if self._index is not None:
             return self._index
-        urls, names = self._urls(), self.class_names
-        index: dict[str, tuple[list[str], list[int], Part, float]] = {}
+        urls, names, vf = self._urls(), self.class_names, self.val_fraction
+        counts: list[ShardCounts] = []  # with num_samples, labels are checked per sample while reading
+        index: dict[str, SplitIndex]
         if self.held_out:
-            counts = index_shards(urls, self.val_fraction, self.labels)
-            index["train"] = (urls, [c.train for c in counts], "train", self.val_fraction)
-            index["val"] = (urls, [c.val for c in counts], "val", self.val_fraction)
-            max_label = max(c.max_label for c in counts)
+            counts = index_shards(urls, vf, self.labels)
+            index = {"train": (urls, [c.train for c in counts], "train", vf),
+                     "val": (urls, [c.val for c in counts], "val", vf)}  # fmt: skip
+        elif self.num_samples is not None:
+            index = {"train": (urls, assumed_counts(self.num_samples, len(urls)), "all", 0.0)}
         else:
-            if self.num_samples is not None:
-                index["train"] = (urls, assumed_counts(self.num_samples, len(urls)), "all", 0.0)
-                max_label = -1  # checked per sample while reading
-            else:
-                counts = index_shards(urls, labels=self.labels)
-                index["train"] = (urls, [c.total for c in counts], "all", 0.0)
-                max_label = max(c.max_label for c in counts)
-            if self.val_shards is not None:
-                vurls = expand_shards(self.val_shards)
-                vcounts = index_shards(vurls, labels=self.labels)
-                index["val"] = (vurls, [c.total for c in vcounts], "all", 0.0)
-                max_label = max(max_label, max(c.max_label for c in vcounts))
+            counts = index_shards(urls, labels=self.labels)
+            index = {"train": (urls, [c.total for c in counts], "all", 0.0)}
+        if self.val_shards is not None:
+            vurls = expand_shards(self.val_shards)
+            vcounts = index_shards(vurls, labels=self.labels)
+            index["val"] = (vurls, [c.total for c in vcounts], "all", 0.0)
+            counts = counts + vcounts
+        max_label = max((c.max_label for c in counts), default=-1)
         if max_label >= len(names):
             raise ValueError(f"shard labels go up to {max_label} but there are {len(names)} classes ({names[:5]}...)")
         for split, (_, counts_, _, _) in index.items():
@@ -521,13 +479,9 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         self._build_index()
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is not None:
-            return
-        if self.in_memory:
-            self.train_dataset, self.val_dataset = self.memory_dataset("train"), self.memory_dataset("val")
-            return
-        self.train_dataset = self.dataset("train")
-        self.val_dataset = self.dataset("val")
+        if self.train_dataset is None:
+            make = self.memory_dataset if self.in_memory else self.dataset
+            self.train_dataset, self.val_dataset = make("train"), make("val")
 
     def memory_dataset(self, split: Literal["train", "val"]) -> MemoryImages | None:
         """All of `split` decoded into a MemoryImages (every rank holds all of it; the sampler splits).
@@ -542,8 +496,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         # eval_transform's ToRGB, Resize, CenterCrop: the streaming path's preprocessing up to the float conversion
         preprocess = None if split == "train" else v2.Compose(eval_transform(self._preprocessing()).transforms[:3])
         data = decode_into_memory(stream, stream.total, transform=preprocess)
-        trainer = self._trainer()
-        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
         return data.to(device) if device is not None and device.type == "cuda" else data
 
     def _loader(self, dataset: Any, train: bool) -> DataLoader:
@@ -556,12 +509,36 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         if not self.in_memory:
             return batch
         images, labels = batch
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None and trainer.training:
             if self._augment is None:
-                collate = self.train_collate()
-                self._augment = BatchAugment(
-                    self.img_size, self.train_crop, self.scale_min, self.hflip, self.mean, self.std, collate.mix
-                )  # fmt: skip
+                self._augment = BatchAugment(self.img_size, self.train_crop, self.scale_min, self.hflip, self.mean,
+                                             self.std, self.train_collate().mix)  # fmt: skip
             return self._augment(images, labels, size=self.img_size_at(trainer.current_epoch))
         return normalise_batch(images, self.mean, self.std), labels
+
+
+def index_shards_main(argv: list[str] | None = None) -> int:
+    """`vitlab index-shards DIR...`: count every shard once and write the index that later starts read."""
+    p = argparse.ArgumentParser(
+        prog="vitlab index-shards",
+        description="Write shardindex.json (per-shard sample counts, held-out split counts) for shard folders, "
+        "beside the shards when writable, else in the cache folder; training starts then read it instead of "
+        "every shard.",
+    )
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a shard folder, or one with train/ and val/ shard folders")
+    p.add_argument("--val_fraction", type=float, action="append",
+                   help="held-out fraction to count (repeatable); default 0.02, the data module's")  # fmt: skip
+    p.add_argument("--no_labels", action="store_true", help="shards without .cls labels")
+    args = p.parse_args(argv)
+    fractions = args.val_fraction or [0.02]
+    # each DIR, or its train/ and val/ shard folders where it has them (the layout DATA= accepts)
+    subs = [[os.path.join(d, s) for s in ("train", "val") if os.path.isdir(os.path.join(d, s))] for d in args.dirs]
+    for folder in [f for d, sub in zip(args.dirs, subs) for f in sub or [d]]:
+        urls = expand_shards(folder)
+        for vf in fractions:
+            counts = index_shards(urls, vf, labels=not args.no_labels)
+        written = [q for q in index_locations(Path(folder), SHARD_INDEX) if q.is_file()]
+        where = max(written, key=lambda q: q.stat().st_mtime_ns) if written else "none written (no writable folder)"
+        print(f"{folder}: {len(urls)} shards, {sum(c.total for c in counts)} samples; index: {where}")
+    return 0

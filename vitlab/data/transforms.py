@@ -24,19 +24,13 @@ DEFAULT_STD = IMAGENET_INCEPTION_STD
 TrainCrop = Literal["rrc", "pad"]
 AutoAugment = Literal["randaugment", "trivialaugment"]
 
-_INTERPOLATIONS = {
-    "nearest": v2.InterpolationMode.NEAREST,
-    "bilinear": v2.InterpolationMode.BILINEAR,
-    "bicubic": v2.InterpolationMode.BICUBIC,
-    "lanczos": v2.InterpolationMode.LANCZOS,
-}
+INTERPOLATIONS = ("bicubic", "bilinear", "lanczos", "nearest")
 
 
 def interpolation_mode(name: str) -> v2.InterpolationMode:
-    try:
-        return _INTERPOLATIONS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown interpolation {name!r}; choose one of {sorted(_INTERPOLATIONS)}") from None
+    if name.lower() not in INTERPOLATIONS:
+        raise ValueError(f"unknown interpolation {name!r}; choose one of {list(INTERPOLATIONS)}")
+    return v2.InterpolationMode(name.lower())
 
 
 def _hw(img_size: int | Sequence[int]) -> tuple[int, int]:
