@@ -103,7 +103,7 @@ class SyncsPerStep(Callback):
         self.count = self._counter.__enter__()
         self.count.active = False
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_step >= self.skip_steps:
             self.count.active = True
             self.steps += 1
