@@ -23,20 +23,6 @@ class CheckpointLoadError(RuntimeError):
     """A checkpoint that cannot be read safely: truncated, not a checkpoint, or holding code objects."""
 
 
-def _fsync_dir(folder: str) -> None:
-    # Makes the rename itself durable; not every platform/filesystem can open a directory.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def is_temp_checkpoint(name: str) -> bool:
     """True for the temporary files `AtomicCheckpointIO` writes (`.<name>.<random>.tmp`)."""
     return name.startswith(".") and name.endswith(TMP_SUFFIX) and ".ckpt." in name
@@ -55,23 +41,20 @@ def remove_stale_temp_files(folder: _PATH) -> list[Path]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` that never leaves a half-written file under a checkpoint's final name.
+    """`TorchCheckpointIO` that never leaves a half-written file under a checkpoint's final name, and
+    loads with `weights_only=True` only.
 
-    Local paths: `torch.save` into `.<name>.<random>.tmp` in the same folder, flush + fsync, `os.replace`
-    onto the final name (atomic on POSIX and Windows), fsync the folder. A kill (SIGKILL included)
-    at any point leaves the previous file intact plus at most a stray temporary file, which
-    `LastCheckpoint` removes at the next start. Lightning's own `_atomic_save` stages the file in the
-    system temp folder, which is often another filesystem (then the "move" is a plain copy) and never
-    fsyncs. Remote paths (s3://, gs://...) go through Lightning's writer: object stores publish an
-    object only once it is complete.
-
-    Loading always uses `weights_only=True`: a checkpoint cannot run code when it is opened.
+    Local paths: write `.<name>.<random>.tmp` in the same folder, fsync, `os.replace` onto the final name,
+    fsync the folder; `LastCheckpoint` removes stray temporary files at the next start. (Lightning's
+    `_atomic_save` stages in the system temp folder, often another filesystem, and never fsyncs.) Remote
+    paths go through Lightning's writer: object stores publish an object only once it is complete.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
-        checkpoint = _redact_checkpoint(checkpoint)
+        secrets = secret_values()
+        checkpoint = {k: redact(v, secrets) if k.endswith("hyper_parameters") else v for k, v in checkpoint.items()}
         path = str(path)
         if not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path)
@@ -93,10 +76,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             except OSError:
                 pass
             raise
-        _fsync_dir(folder)
+        try:  # makes the rename itself durable; not every filesystem can open a directory
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
 
     def _write(self, checkpoint: dict[str, Any], f: BinaryIO) -> None:
-        """Serialise `checkpoint` into the open temporary file."""
         torch.save(checkpoint, f)
 
     def load_checkpoint(
@@ -122,25 +111,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from exc
 
 
-def _redact_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    keys = [k for k in ("hyper_parameters", "datamodule_hyper_parameters") if k in checkpoint]
-    if not keys:
-        return checkpoint
-    secrets = secret_values()
-    out = dict(checkpoint)  # shallow: the tensors are shared, not copied
-    for k in keys:
-        out[k] = redact(checkpoint[k], secrets)
-    return out
-
-
 def use_atomic_io(trainer: L.Trainer) -> bool:
-    """Put `AtomicCheckpointIO` on the trainer's strategy if it still uses the stock `TorchCheckpointIO`
-    (a custom CheckpointIO from the recipe is left alone). Returns True when the IO is atomic."""
-    strategy = trainer.strategy
-    current = strategy.checkpoint_io
-    if isinstance(current, AtomicCheckpointIO):
-        return True
-    if type(current) is TorchCheckpointIO:
-        strategy.checkpoint_io = AtomicCheckpointIO()
-        return True
-    return False
+    """Put `AtomicCheckpointIO` on the strategy in place of a stock `TorchCheckpointIO` (a recipe's own
+    CheckpointIO is left alone). Returns True when the IO is atomic."""
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    return isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)

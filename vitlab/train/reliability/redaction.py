@@ -1,6 +1,5 @@
-"""Secret redaction: credentials from the environment (and string values under credential keys) must never
-reach config.yaml, saved hyperparameters, checkpoints or log records, which are shared far more widely
-than the environment they came from. Nothing else is rewritten: the record must rerun and reload as given."""
+"""Credentials from the environment (and string values under credential keys) never reach config.yaml,
+saved hyperparameters, checkpoints or log records. Nothing else is rewritten: the record must rerun as given."""
 
 from __future__ import annotations
 
@@ -27,10 +26,8 @@ _SECRET_ENV = re.compile(
     r"|PRIVATE_?KEY|AUTH)(?:_|$)",
     re.IGNORECASE,
 )
-# Values that are credentials by a provider's documented prefix, whatever the variable is called:
-# Hugging Face (hf_), GitHub (ghp_, gho_, ..., github_pat_), GitLab (glpat-), Slack (xoxb-...), AWS access
-# key ids, JWTs. Nothing else is judged by its shape: a commit hash, a run id or a hub revision in the
-# environment is not a credential, and rewriting it would change the run's record.
+# Values that are credentials by a provider's documented prefix, whatever the variable is called (Hugging
+# Face, GitHub, GitLab, Slack, AWS key ids, JWTs); nothing else by its shape: a commit hash is no secret.
 _SECRET_SHAPES = re.compile(
     r"(?:hf|gh[pousr])_[A-Za-z0-9]{30,}"
     r"|github_pat_[A-Za-z0-9_]{50,}"
@@ -39,9 +36,8 @@ _SECRET_SHAPES = re.compile(
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
 )
-# Config / hparam keys whose (string) value is a credential: the credential word ends the key
-# ("api_key", "wandb_api_key", "db_password", "secret"), and a token only when it is one by name
-# ("token", "hf_token", "auth_token"): class_token, mask_token or a tokenizer's pad_token are not.
+# Config keys whose (string) value is a credential ("api_key", "db_password", "hf_token"); class_token,
+# mask_token or a tokenizer's pad_token are not.
 _SECRET_KEY = re.compile(
     r"(?:^|.*[-_])(?:api[-_]?key|apikey|secret|secret[-_]key|password|passwd|passphrase|credentials?"
     r"|access[-_]?key|private[-_]?key)"
@@ -54,29 +50,22 @@ _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
 _MIN_SECRET_LEN = 8
 
 
-def looks_like_secret(value: str) -> bool:
-    """True when `value` is a credential by its provider's prefix (see `_SECRET_SHAPES`)."""
-    return bool(_SECRET_SHAPES.fullmatch(value.strip()))
-
-
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values in `environ` (default: os.environ) that are credentials by their variable's name or by
     their provider's token prefix, longest first."""
     env = os.environ if environ is None else environ
     found = {
-        v for k, v in env.items() if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or looks_like_secret(v))
-    }
+        v for k, v in env.items()
+        if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or _SECRET_SHAPES.fullmatch(v.strip()))
+    }  # fmt: skip
     return sorted(found, key=len, reverse=True)
-
-
-def is_secret_key(key: Any) -> bool:
-    """True for a config key that names a credential (`api_key`, `token`, `hf_token`, `db_password`...)."""
-    return isinstance(key, str) and bool(_SECRET_KEY.fullmatch(key.rsplit(".", 1)[-1]))
 
 
 def _is_secret_item(key: Any, value: Any) -> bool:
     # Only a string can be a credential: `class_token: false` or `token: null` stay as they are.
-    return isinstance(value, str) and bool(value) and is_secret_key(key)
+    return isinstance(value, str) and bool(value) and isinstance(key, str) and bool(
+        _SECRET_KEY.fullmatch(key.rsplit(".", 1)[-1])
+    )
 
 
 def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
@@ -116,9 +105,8 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
 
 
 def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
-    """wandb records the command line (`sys.argv`) in its run metadata. When the command line carries
-    a secret, turn that collection off for this process (`WANDB__DISABLE_META`, read when wandb starts)
-    and say so. Returns True when it did."""
+    """When the command line carries a secret, turn off wandb's metadata (which records `sys.argv`) for this
+    process (`WANDB__DISABLE_META`, read when wandb starts) and say so. Returns True when it did."""
     args = list(sys.argv[1:] if argv is None else argv)
     joined = "\n".join(args)
     if redact_text(joined) == joined:
@@ -153,15 +141,10 @@ _LOGGERS = ("", "lightning", "lightning.pytorch", "lightning.fabric", "vitlab")
 
 
 class RedactSecrets(Callback):
-    """Keeps credentials out of everything a run writes.
-
-    At setup (before `SaveConfigCallback` writes config.yaml and before the loggers record
-    hyperparameters) it redacts the config the save-config callback holds (a redacted copy) and the
-    LightningModule's and DataModule's hparams (in place: the attributes the objects were built with
-    keep their values), and installs `SecretLogFilter` on the log handlers. `AtomicCheckpointIO`
-    redacts the hyperparameters of each checkpoint once more. A checkpoint whose hparams held a secret
-    (say, an `init_from` URL with a password) therefore does not rebuild by itself from them.
-    """
+    """Keeps credentials out of everything a run writes: at setup, before config.yaml and the loggers'
+    hyperparameters are written, it redacts the save-config callback's config (a copy) and the module's and
+    data module's hparams (the objects keep their values), and filters the log handlers.
+    `AtomicCheckpointIO` redacts each checkpoint's hyperparameters once more."""
 
     def __init__(self) -> None:
         self._filter: SecretLogFilter | None = None
