@@ -10,7 +10,7 @@ from typing import Any, BinaryIO
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -97,14 +97,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "arbitrary unpickling can run code when opened. Register the extra types with "
                 "torch.serialization.add_safe_globals instead."
             )
-        fs = get_filesystem(path)
-        if not fs.exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
         try:
-            if _is_local_file_protocol(path):
-                return torch.load(path, map_location=map_location, weights_only=True)
-            with fs.open(path, "rb") as f:
-                return torch.load(f, map_location=map_location, weights_only=True)
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        except FileNotFoundError:
+            raise
         except Exception as exc:
             raise CheckpointLoadError(
                 f"cannot load checkpoint {path} with weights_only=True: {type(exc).__name__}: {exc}"

@@ -229,13 +229,10 @@ def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
     path = Path(run_dir).expanduser().absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".vitlab-write-probe-")
-        try:
-            os.write(fd, b"ok")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(probe)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".vitlab-write-probe-") as probe:
+            probe.write(b"ok")
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise RunDirError(
             f"run folder {path} is not writable ({type(exc).__name__}: {exc.strerror or exc}); "

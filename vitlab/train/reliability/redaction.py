@@ -122,9 +122,9 @@ def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
 class SecretLogFilter(logging.Filter):
     """Rewrites log records that contain a secret before any handler writes them."""
 
-    def __init__(self, secrets: Iterable[str] | None = None) -> None:
+    def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        self.secrets = secret_values() if secrets is None else list(secrets)
+        self.secrets = list(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -147,7 +147,7 @@ class RedactSecrets(Callback):
     `AtomicCheckpointIO` redacts each checkpoint's hyperparameters once more."""
 
     def __init__(self) -> None:
-        self._filter: SecretLogFilter | None = None
+        self._filter = SecretLogFilter([])
         self._handlers: list[logging.Handler] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -162,24 +162,15 @@ class RedactSecrets(Callback):
                 hp = getattr(holder, attr, None)
                 if isinstance(hp, dict):
                     hp.update(redact(dict(hp), secrets))
-        self._install_filter(secrets)
-
-    def _install_filter(self, secrets: list[str]) -> None:
         self._remove_filter()
         self._filter = SecretLogFilter(secrets)
-        for name in _LOGGERS:
-            for handler in logging.getLogger(name).handlers:
-                handler.addFilter(self._filter)
-                self._handlers.append(handler)
+        self._handlers = [handler for name in _LOGGERS for handler in logging.getLogger(name).handlers]
+        for handler in self._handlers:
+            handler.addFilter(self._filter)
 
-    def _remove_filter(self) -> None:
-        if self._filter is not None:
-            for handler in self._handlers:
-                handler.removeFilter(self._filter)
-        self._filter, self._handlers = None, []
+    def _remove_filter(self, *args: Any) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self._filter)
+        self._handlers = []
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._remove_filter()
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._remove_filter()
+    on_exception = teardown = _remove_filter

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, RichModelSummary, ThroughputMonitor
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
@@ -15,11 +16,6 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitlab.data.batch import split_batch
-
-try:
-    import psutil
-except ImportError:  # pragma: no cover - optional: without it the CPU peak memory is not reported
-    psutil = None
 
 
 def batch_images(batch: Any) -> int:
@@ -124,7 +120,7 @@ class PerfMonitor(ThroughputMonitor):
         pl_module.log(
             "train/samples_seen", torch.tensor(self.samples_seen, dtype=torch.float64), on_step=True, on_epoch=False
         )
-        if pl_module.device.type != "cuda" and psutil is not None:
+        if pl_module.device.type != "cuda":
             self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
 
     def on_validation_batch_end(
@@ -140,9 +136,7 @@ class PerfMonitor(ThroughputMonitor):
         if pl_module.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(pl_module.device)
         else:
-            peak = self._peak_rss or (psutil.Process().memory_info().rss if psutil is not None else 0)
-            if not peak:
-                return
+            peak = self._peak_rss or psutil.Process().memory_info().rss
         pl_module.log(
             "perf/peak_mem_mb", peak / 2**20, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max"
         )
@@ -186,11 +180,8 @@ class RichImageFlopsSummary(_ImageFlops, RichModelSummary):
 
 
 def image_flops_summary(summary: ModelSummary) -> ModelSummary:
-    """The same summary (depth and options kept) with the FLOPs filled in; other summary types as they are."""
+    """The same summary (depth and options kept), its FLOPs filled in; other summary types as they are."""
     kinds = {ModelSummary: ImageFlopsSummary, RichModelSummary: RichImageFlopsSummary}
-    kind = kinds.get(type(summary))
-    if kind is None:
-        return summary
-    counted = kind.__new__(kind)
-    counted.__dict__.update(summary.__dict__)
-    return counted
+    if type(summary) in kinds:
+        summary.__class__ = kinds[type(summary)]
+    return summary

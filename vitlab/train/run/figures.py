@@ -210,8 +210,6 @@ class ValidationFigures(Callback):
             self.confmat = MulticlassConfusionMatrix(nc)
         elif self.confusion_matrix and nc > self.max_classes:
             log.info("ValidationFigures: %d classes > max_classes=%d, no confusion matrix", nc, self.max_classes)
-        if self.confmat is not None:
-            self.confmat = self.confmat.to(pl_module.device)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._frozen:  # the order is fixed, so restarting the capture yields the same images
@@ -250,13 +248,8 @@ class ValidationFigures(Callback):
 
     def _freeze(self) -> None:
         """Round-robin over the classes in the order they were seen: the first of each, then the next."""
-        picks = [
-            (img, label)
-            for rank in range(self._per_class)
-            for label, kept in self._by_class.items()
-            if rank < len(kept)
-            for img in [kept[rank]]
-        ][: self.num_images]
+        picks = [(kept[rank], label) for rank in range(self._per_class) for label, kept in self._by_class.items()
+                 if rank < len(kept)][: self.num_images]  # fmt: skip
         if picks:
             self._images = [torch.stack([img for img, _ in picks])]
             self._targets = [torch.tensor([label for _, label in picks])]
