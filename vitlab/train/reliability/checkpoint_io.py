@@ -30,13 +30,9 @@ def is_temp_checkpoint(name: str) -> bool:
 
 def remove_stale_temp_files(folder: _PATH) -> list[Path]:
     """Delete temporary checkpoint files a killed run left in `folder`; returns what was removed."""
-    removed = []
-    folder = Path(folder)
-    if folder.is_dir():
-        for p in folder.iterdir():
-            if p.is_file() and is_temp_checkpoint(p.name):
-                p.unlink(missing_ok=True)
-                removed.append(p)
+    removed = [p for p in Path(folder).glob("*") if p.is_file() and is_temp_checkpoint(p.name)]
+    for p in removed:
+        p.unlink(missing_ok=True)
     return removed
 
 

@@ -7,7 +7,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning as L
@@ -104,11 +104,10 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
     return obj
 
 
-def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
+def keep_argv_out_of_trackers() -> bool:
     """When the command line carries a secret, turn off wandb's metadata (which records `sys.argv`) for this
     process (`WANDB__DISABLE_META`, read when wandb starts) and say so. Returns True when it did."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    joined = "\n".join(args)
+    joined = "\n".join(sys.argv[1:])
     if redact_text(joined) == joined:
         return False
     os.environ["WANDB__DISABLE_META"] = "true"

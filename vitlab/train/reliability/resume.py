@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -151,6 +152,4 @@ def _decorrelate_ranks(trainer: L.Trainer) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) + trainer.global_rank
     torch.manual_seed(seed)
     random.seed(seed)
-    import numpy as np
-
     np.random.seed(seed % 2**32)

@@ -33,12 +33,6 @@ from vitlab.train.objectives.mpp import (
 
 log = logging.getLogger("vitlab")
 
-PREDICTIONS_TAG = "val/predictions"
-ATTENTION_TAG = "val/attention"
-CONFUSION_TAG = "val/confusion_matrix"
-MPP_FIGURE_TAG = "val/masked_patches"
-
-
 def _vit(pl_module: L.LightningModule) -> Any:
     return getattr(pl_module, "model", pl_module)
 
@@ -116,7 +110,7 @@ def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[
 
 def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str]) -> Any:
     """Counts (rows: true class, columns: predicted), coloured by the row fraction (per-class recall)."""
-    m = np.asarray(matrix.detach().cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.int64)
+    m = np.asarray(matrix, dtype=np.int64)
     n = m.shape[0]
     frac = m / np.maximum(m.sum(axis=1, keepdims=True), 1)
     side = min(12.0, max(4.0, 0.35 * n + 2.0))
@@ -309,9 +303,9 @@ class ValidationFigures(Callback):
         names = class_names(model, logits.shape[-1])
         dc = getattr(model, "data_config", None) or {}
         rgb = _rgb(denormalize(x, dc.get("mean"), dc.get("std")))
-        self._emit(trainer, PREDICTIONS_TAG, plot_prediction_grid(rgb, y.tolist(), preds, names))
+        self._emit(trainer, "val/predictions", plot_prediction_grid(rgb, y.tolist(), preds, names))
         if heat is not None:
-            self._emit(trainer, ATTENTION_TAG, plot_attention_grid(rgb, heat, preds, names))
+            self._emit(trainer, "val/attention", plot_attention_grid(rgb, heat, preds, names))
 
     def _emit(self, trainer: L.Trainer, tag: str, fig: Any) -> None:
         fig.canvas.draw()
@@ -340,7 +334,7 @@ class ValidationFigures(Callback):
         matrix = self.confmat.compute().cpu()
         if trainer.is_global_zero:
             names = class_names(_vit(pl_module), matrix.shape[0])
-            self._emit(trainer, CONFUSION_TAG, plot_confusion_matrix(matrix, names))
+            self._emit(trainer, "val/confusion_matrix", plot_confusion_matrix(matrix, names))
 
 
 class FinetuneSource(Callback):
@@ -426,4 +420,4 @@ class MaskedPatchFigures(ValidationFigures):
         filled = torch.where(chosen, guess, patches)
         rgb = [_rgb(unpatchify(t, p, grid)) for t in (patches, held, filled)]
         fig = plot_masked_patches(*rgb, c.kind.cpu().numpy(), grid, p, title)
-        self._emit(trainer, MPP_FIGURE_TAG, fig)
+        self._emit(trainer, "val/masked_patches", fig)

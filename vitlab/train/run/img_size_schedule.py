@@ -61,11 +61,9 @@ class ImgSizeSchedule(Callback):
         if self.active:
             pl_module.model.use_input_size(None)
 
+    on_fit_end = on_validation_start
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Validation inside an epoch (val_check_interval) hands back to training at the epoch's size.
         if self.active and not trainer.sanity_checking:
             self._apply(trainer, pl_module)
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.active:
-            pl_module.model.use_input_size(None)
