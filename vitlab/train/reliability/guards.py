@@ -169,9 +169,8 @@ class NonFiniteGuard(Callback):
                  for p in (cb.last_model_path, cb.best_model_path) if p and os.path.isfile(p)]  # fmt: skip
         ckpt = max(saved, key=os.path.getmtime) if saved else None
         where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint has been saved yet"
-        skipped = ""
-        if self.action == "skip":
-            skipped = f" after skipping {self.skipped} step(s) (max_skips={self.max_skips})"
+        skipped = (f" after skipping {self.skipped} step(s) (max_skips={self.max_skips})"
+                   if self.action == "skip" else "")  # fmt: skip
         return (
             f"non-finite training: {what} at global step {step} (epoch {epoch}, batch {batch}), learning rate "
             f"{lr}{skipped}. That step and any after it were not applied and nothing was saved; {where}. Resume "

@@ -74,11 +74,10 @@ class SignalWatchdog:
                 data = recv.recv(64)
             except OSError:  # closed by uninstall
                 return
-            if not data:
-                return
             hit = [b for b in data if b in self.signals]
             if hit:
                 self._expire_after(signal.Signals(hit[0]).name)
+            if hit or not data:
                 return
 
     def _expire_after(self, name: str) -> None:

@@ -283,8 +283,7 @@ class ValidationFigures(Callback):
     def _validated(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         """The module holding the weights validation used: a weight-averaging callback (EMA) whose hook
         ran before this one has already swapped them back into its averaged copy."""
-        position = trainer.callbacks.index(self)
-        for cb in trainer.callbacks[:position]:
+        for cb in trainer.callbacks[: trainer.callbacks.index(self)]:
             if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None:
                 return cb._average_model.module
         return pl_module
