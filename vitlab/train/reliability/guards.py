@@ -198,9 +198,7 @@ def _nonfinite_grad(optimizer: torch.optim.Optimizer) -> str | None:
 def _first_sgd_momentum_step(optimizer: torch.optim.Optimizer) -> bool:
     """Fused SGD makes its momentum buffers with `empty_like` at the first step and fills them in the
     kernel: skipping that step on the device would leave them uninitialised."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    return any(
+    return isinstance(optimizer, torch.optim.SGD) and any(
         g["momentum"] and p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None
         for g in optimizer.param_groups
         for p in g["params"]

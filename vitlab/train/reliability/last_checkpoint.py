@@ -168,10 +168,9 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.world_size == 1:
             mark_sigterm(trainer)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._stop_watchdog()
-
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, *args: Any) -> None:
         if self._watchdog is not None:
             self._watchdog.uninstall()
             self._watchdog = None
+
+    teardown = _stop_watchdog

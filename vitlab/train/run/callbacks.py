@@ -116,10 +116,8 @@ class PerfMonitor(ThroughputMonitor):
             self._samples[stage] += batch_images(batch)
             self._batches[stage] += 1
         self.samples_seen += batch_images(batch) * trainer.world_size
-        # float64 keeps the count exact past float32's 2**24
-        pl_module.log(
-            "train/samples_seen", torch.tensor(self.samples_seen, dtype=torch.float64), on_step=True, on_epoch=False
-        )
+        seen = torch.tensor(self.samples_seen, dtype=torch.float64)  # float64: exact past float32's 2**24
+        pl_module.log("train/samples_seen", seen, on_step=True, on_epoch=False)
         if pl_module.device.type != "cuda":
             self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
 
@@ -137,9 +135,7 @@ class PerfMonitor(ThroughputMonitor):
             peak = torch.cuda.max_memory_allocated(pl_module.device)
         else:
             peak = self._peak_rss or psutil.Process().memory_info().rss
-        pl_module.log(
-            "perf/peak_mem_mb", peak / 2**20, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max"
-        )
+        pl_module.log("perf/peak_mem_mb", peak / 2**20, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def state_dict(self) -> dict[str, Any]:
         return {"samples_seen": self.samples_seen}

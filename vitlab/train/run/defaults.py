@@ -81,9 +81,7 @@ def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None
     for name in names:
         if name == "tensorboard":
             # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
-            loggers.append(
-                HeadlineTensorBoardLogger(str(run_dir), name="tensorboard", version="", default_hp_metric=False)
-            )
+            loggers.append(HeadlineTensorBoardLogger(str(run_dir), "tensorboard", "", default_hp_metric=False))
         elif name == "csv":
             loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
         elif name == "wandb":

@@ -271,10 +271,8 @@ class ValidationFigures(Callback):
             return
         if not self._frozen and trainer.is_global_zero:
             self._freeze()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and (trainer.current_epoch + 1) % self.every_n_epochs:
-            return
-        if not (self.save_png or trainer.loggers):  # the same on every rank, so FSDP ranks stay in step
+        off_epoch = trainer.state.fn == TrainerFn.FITTING and (trainer.current_epoch + 1) % self.every_n_epochs
+        if off_epoch or not (self.save_png or trainer.loggers):  # the same on every rank: FSDP ranks stay in step
             return
         with _full_weights(trainer):
             if trainer.is_global_zero and self._images:

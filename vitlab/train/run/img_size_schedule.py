@@ -22,8 +22,7 @@ class ImgSizeSchedule(Callback):
         self._size: int | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        data = getattr(trainer, "datamodule", None)
-        schedule = getattr(data, "img_size_schedule", None)
+        schedule = getattr(trainer.datamodule, "img_size_schedule", None)
         self.active = bool(schedule) and stage == "fit"
         if not self.active:
             return

@@ -4,10 +4,6 @@ On CUDA torch reports them (`torch.cuda.set_sync_debug_mode("warn")`), plus expl
 `torch.cuda.synchronize()` calls. On the CPU nothing waits, so the calls that would on a GPU are counted:
 host reads of a tensor's value (`item`, `tolist`, `bool()`...), except the data pipeline's. That misses
 syncs inside torch's operators (`nonzero`); the CUDA count has exactly the device's.
-
-    with count_syncs("cuda") as syncs:
-        ...
-    syncs.total, syncs.sites.most_common(5)
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ def _counting(count: SyncCount, original: Any, host_data: bool) -> Any:
 
 @contextmanager
 def count_syncs(device: str | torch.device = "cuda") -> Iterator[SyncCount]:
-    """Count host-device synchronisations inside the block; see the module docstring for what counts."""
+    """Count host-device synchronisations inside the block (`syncs.total`, `syncs.sites.most_common(5)`)."""
     count = SyncCount()
     with ExitStack() as stack:
         if torch.device(device).type != "cuda":
