@@ -42,9 +42,7 @@ class EMA(EMAWeightAveraging):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and getattr(pl_module, "builds_model_in_init", False):
             device = self._device or pl_module.device
-            self._average_model = AveragedModel(
-                model=pl_module, device=device, use_buffers=self._use_buffers, **self._kwargs
-            )
+            self._average_model = AveragedModel(pl_module, device, use_buffers=self._use_buffers, **self._kwargs)
             return
         super().setup(trainer, pl_module, stage)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
@@ -137,8 +138,6 @@ def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str
 
 def _full_weights(trainer: L.Trainer) -> AbstractContextManager:
     """Under FSDP, gather the whole model on rank 0 for a plain forward (a collective: every rank enters)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
     if isinstance(trainer.strategy, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -255,8 +254,6 @@ class ValidationFigures(Callback):
             outputs = outputs.get("logits")
         if isinstance(outputs, torch.Tensor) and outputs.ndim == 2 and outputs.shape[0] == x.shape[0]:
             return outputs.detach()
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if isinstance(trainer.strategy, FSDPStrategy):
             # A direct forward would skip FSDP's unsharding; the module must return its logits.
             if not self._warned_fsdp:
