@@ -44,8 +44,7 @@ _SECRET_KEY = re.compile(
     r"|(?:(?:hf|hub|api|auth|access|bearer|refresh|oauth|github|gh|gitlab|wandb|slack|use[-_]auth)[-_])?token",
     re.IGNORECASE,
 )
-# user:password@ inside a URL.
-_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")  # user:password@ inside a URL
 # Short values ("1", "true") would redact half of every file; real credentials are longer.
 _MIN_SECRET_LEN = 8
 

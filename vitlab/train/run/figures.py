@@ -96,10 +96,8 @@ def plot_prediction_grid(images: np.ndarray, targets: Sequence[int], preds: Sequ
 def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[int], names: Sequence[str]) -> Any:
     """Each image with its last-layer attention map over it, each map stretched to its own [min, max]:
     early attention is nearly uniform, and one scale would paint every image the same colour."""
-    size = images.shape[1:3]
-    up = F.interpolate(heat[:, None].float().cpu(), size=size, mode="bilinear", align_corners=False)[:, 0]
-    lo = up.flatten(1).amin(dim=1).view(-1, 1, 1)
-    hi = up.flatten(1).amax(dim=1).view(-1, 1, 1)
+    up = F.interpolate(heat[:, None].float().cpu(), size=images.shape[1:3], mode="bilinear", align_corners=False)[:, 0]
+    lo, hi = (v.view(-1, 1, 1) for v in up.flatten(1).aminmax(dim=1))
     up = ((up - lo) / (hi - lo).clamp_min(1e-12)).numpy()
 
     def draw(ax: Any, i: int) -> None:
