@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -66,20 +67,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            # Disk full, permission lost, KeyboardInterrupt: leave the old checkpoint as it was.
-            try:
+            with suppress(OSError):  # disk full, permission lost, Ctrl-C: the old checkpoint stays as it was
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
-        try:  # makes the rename itself durable; not every filesystem can open a directory
+        with suppress(OSError):  # makes the rename itself durable; not every filesystem can open a directory
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError:
-            pass
 
     def _write(self, checkpoint: dict[str, Any], f: BinaryIO) -> None:
         torch.save(checkpoint, f)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 log = logging.getLogger("vitlab")
 
@@ -60,10 +61,8 @@ class SignalWatchdog:
         signal.set_wakeup_fd(-1)
         self._closed.set()
         recv, send = self._sockets
-        try:
+        with suppress(OSError):
             recv.shutdown(socket.SHUT_RDWR)  # wakes the watching thread's recv
-        except OSError:
-            pass
         recv.close()
         send.close()
         self._sockets = None

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback, WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from matplotlib.patches import Rectangle
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vitlab.analysis.commands import class_names
@@ -349,8 +350,6 @@ class FinetuneSource(Callback):
 
 
 def _outline(ax: Any, cells: np.ndarray, grid: tuple[int, int], patch: int, color: str) -> None:
-    from matplotlib.patches import Rectangle
-
     for n in np.flatnonzero(cells):
         r, col = divmod(int(n), grid[1])
         ax.add_patch(Rectangle((col * patch - 0.5, r * patch - 0.5), patch, patch, fill=False, lw=0.8, ec=color))
