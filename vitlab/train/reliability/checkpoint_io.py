@@ -51,7 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         secrets = secret_values()
-        checkpoint = {k: redact(v, secrets) if k.endswith("hyper_parameters") else v for k, v in checkpoint.items()}
+        hparams = ("hyper_parameters", "datamodule_hyper_parameters")
+        checkpoint = {k: redact(v, secrets) if k in hparams else v for k, v in checkpoint.items()}
         path = str(path)
         if not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path)
