@@ -168,7 +168,7 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.world_size == 1:
             mark_sigterm(trainer)
 
-    def _stop_watchdog(self, *args: Any) -> None:
+    def _stop_watchdog(self, *args: Any, **kwargs: Any) -> None:  # also the teardown hook
         if self._watchdog is not None:
             self._watchdog.uninstall()
             self._watchdog = None

@@ -166,7 +166,7 @@ class RedactSecrets(Callback):
         for handler in self._handlers:
             handler.addFilter(self._filter)
 
-    def _remove_filter(self, *args: Any) -> None:
+    def _remove_filter(self, *args: Any, **kwargs: Any) -> None:  # also the teardown and on_exception hooks
         for handler in self._handlers:
             handler.removeFilter(self._filter)
         self._handlers = []
