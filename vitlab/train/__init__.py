@@ -1,13 +1,6 @@
-"""Training, in three rooms with arrows one way (run -> objectives, run -> reliability; both of those import
-only `grad_step`, the optimizer step's shared gradient norm and skip flag, never `run`):
-
-- `objectives/`: what is learned and how it is optimised: the classifier, masked patch prediction, DeiT
-  distillation, the optimizer and the LR schedule (LightningModules).
-- `reliability/`: what keeps a run safe: last.ckpt and signals, exact resume, the signal watchdog, atomic
-  checkpoint IO, the non-finite and run-folder guards, credential redaction, the Lightning internals used.
-- `run/`: how a run is assembled: the default loggers, callbacks and plugins, figures, EMA and throughput,
-  the image-size schedule, host-sync counting.
-"""
+"""Training, in three rooms with arrows one way (run -> objectives, run -> reliability; those two share only
+`grad_step`): `objectives/` (what is learned: the LightningModules, optimizer, LR schedule), `reliability/`
+(what keeps a run safe) and `run/` (how a run is assembled: defaults, figures, EMA, throughput)."""
 
 from vitlab.train.objectives.classifier import ViTClassifier
 from vitlab.train.objectives.distill import DistillClassifier

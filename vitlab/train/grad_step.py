@@ -1,6 +1,5 @@
-"""What one optimizer step's gradient work shares between the objectives (clipping) and reliability (the
-non-finite guard): the total gradient norm, computed once per step, and the device-side skip flag. Both
-rooms import this; it imports neither."""
+"""What one optimizer step shares between clipping (objectives) and the non-finite guard (reliability): the
+total gradient norm, computed once per step, and the device-side skip flag. It imports neither room."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ _STEP_VALUES = "_vitlab_step_values"  # per-step values kept on the optimizer, d
 
 
 def step_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """A dict on `optimizer` for values that belong to its coming step; emptied when the step is done
-    (an optimizer step post-hook, registered on first use), so nothing leaks into the next step."""
+    """A dict on `optimizer` for values of its coming step, emptied by a step post-hook."""
     values = optimizer.__dict__.get(_STEP_VALUES)
     if values is None:
         values = optimizer.__dict__[_STEP_VALUES] = {}
@@ -29,26 +27,20 @@ def _end_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     values.clear()
 
 
-def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
 def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """Total 2-norm (float32, on the device, no host sync) of the gradients `optimizer` is about to
-    apply; None without gradients. Computed once per step: the non-finite guard and clipping share it,
-    so read it after any change to the gradients other than clipping (hooks that rescale them run first)."""
+    """Total 2-norm (float32, on the device, no host sync) of the gradients `optimizer` is about to apply;
+    None without gradients. Computed once per step, so read it after any change to the gradients but clipping."""
     values = step_values(optimizer)
     if "grad_norm" not in values:
-        grads = _grads(optimizer)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         values["grad_norm"] = torch.nn.utils.get_total_norm(grads, 2.0).float() if grads else None
     return values["grad_norm"]
 
 
 def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> bool:
-    """Make the optimizer's coming step a no-op on the device when `found_inf` (a 0-dim float32 tensor,
-    0.0 or 1.0) is 1: no update, no weight decay, no moment or step-count change. This is the input a
-    GradScaler gives fused optimizers (`_step_supports_amp_scaling`), so the decision needs no host
-    sync. False (nothing set) for optimizers without it, or when something else already set one."""
+    """Make the optimizer's coming step a no-op on the device when `found_inf` (0-dim float32) is 1, as a
+    GradScaler does for fused optimizers (`_step_supports_amp_scaling`): no host sync. False (nothing set)
+    for other optimizers, or when something else already set one."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False) or hasattr(optimizer, "found_inf"):
         return False
     step_values(optimizer)["found_inf"] = found_inf

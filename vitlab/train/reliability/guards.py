@@ -1,6 +1,5 @@
-"""Guards that fail a run early and clearly instead of late and silently: a NaN/Inf loss never reaches
-the weights, and a run folder that cannot be written (or a disk without room for a few checkpoints)
-fails at the start, not at the first save hours in."""
+"""Guards that fail a run early and clearly: a NaN/Inf loss never reaches the weights, and a run folder
+that cannot be written (or lacks room for a few checkpoints) fails at the start, not at the first save."""
 
 from __future__ import annotations
 
@@ -24,36 +23,23 @@ from vitlab.train.grad_step import grad_norm, set_found_inf
 log = logging.getLogger("vitlab")
 
 
-# ---- non-finite loss ----------------------------------------------------------------------------
-
-
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/Inf loss or gradient; the message names the step, LR and last good checkpoint."""
 
 
 class NonFiniteGuard(Callback):
-    """Keeps a NaN/Inf loss (or, without a GradScaler, a NaN/Inf gradient) from reaching the weights.
+    """Keeps a NaN/Inf loss (or, without a GradScaler, gradient) from reaching the weights.
 
-    Each step's check runs after backward and before the optimizer step, so a bad step is never applied.
-    `action="stop"` raises `NonFiniteLossError` naming the global step of the first bad step, its learning
-    rate and the last good checkpoint (nothing is saved: last.ckpt keeps the last good state).
-    `action="skip"` leaves the bad step out (no update, no weight decay, no moment update) and carries on;
-    after `max_skips` skipped steps in the run, the next bad one stops. A skipped batch still counts as a
-    global step and advances the LR schedule.
+    Checked after backward, before the optimizer step. `action="stop"` raises `NonFiniteLossError` naming
+    the first bad step, its learning rate and the last good checkpoint; `action="skip"` leaves bad steps
+    out (they still count as global steps) and stops at the bad step after `max_skips`.
 
-    No host-device synchronisation per step, for fused optimizers (vitlab's default) without a
-    GradScaler: the check (the loss, and the gradient norm clipping also uses, `grad_step.grad_norm`) runs
-    on the device and hands the optimizer a `found_inf` flag, the input a GradScaler gives fused
-    optimizers, so a bad step is skipped on the device. After a stop the flag stays set, so no later
-    step reaches the weights either. The host reads the outcome (one sync) every `check_every_n_steps`
-    steps (default: the trainer's `log_every_n_steps`, where logging reads values anyway), before any
-    checkpoint is saved, and at the end of training; it raises there for a stop, naming the first bad
-    step. Other optimizers (foreach, FSDP's DTensors), runs with a GradScaler (which skips steps with
-    overflowing gradients itself, so only the loss is checked) and the first step of fused SGD with
-    momentum (a skipped first step would leave its momentum buffers uninitialised) are checked on the
-    host at every step: a bad step's gradients are dropped (torch optimizers leave parameters without
-    `.grad` alone) or the run stops there. Under DDP the bad-step flag is all-reduced on the device
-    (max), so every rank skips or stops at the same step.
+    Fused optimizers without a GradScaler (vitlab's default) are checked on the device, with no host sync:
+    the flag goes to the optimizer as `found_inf` (what a GradScaler hands fused optimizers) and stays set
+    after a stop. The host reads it every `check_every_n_steps` steps (default `log_every_n_steps`), before
+    any checkpoint save and at the end. Others (foreach, DTensors, GradScaler runs, the first step of fused
+    SGD with momentum) are read on the host every step and a bad step's gradients dropped. Under DDP the
+    flag is all-reduced (max) on the device, so all ranks skip or stop at the same step.
     """
 
     def __init__(
@@ -83,8 +69,6 @@ class NonFiniteGuard(Callback):
     @property
     def _limit(self) -> int:
         return self.max_skips if self.action == "skip" else 0
-
-    # ---- the device-side check -------------------------------------------------------------------------
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach().float().reshape(-1)[0]
@@ -139,8 +123,6 @@ class NonFiniteGuard(Callback):
         s[5] = torch.maximum(bad, over.float())  # after a stop every later step is skipped too
         return s[5]
 
-    # ---- the host's look -----------------------------------------------------------------------------
-
     def _look(self, trainer: L.Trainer, optimizer: torch.optim.Optimizer | None, current: bool = False) -> bool:
         """Read the device state (one sync): log the skips since the last look, raise for a stop.
         With `current`, returns whether the step now being taken is a bad one."""
@@ -182,11 +164,13 @@ class NonFiniteGuard(Callback):
 
     def _message(self, trainer: L.Trainer, step: int, what: str) -> str:
         epoch, batch, lr = self._steps.get(step, (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, "?"))
-        ckpt = last_good_checkpoint(trainer)
+        callbacks = sorted(trainer.checkpoint_callbacks, key=lambda cb: not isinstance(cb, LastCheckpoint))
+        saved = [p for cb in callbacks if isinstance(cb, ModelCheckpoint)
+                 for p in (cb.last_model_path, cb.best_model_path) if p and os.path.isfile(p)]  # fmt: skip
+        ckpt = max(saved, key=os.path.getmtime) if saved else None
         where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint has been saved yet"
-        skipped = ""
-        if self.action == "skip":
-            skipped = f" after skipping {self.skipped} step(s) (max_skips={self.max_skips})"
+        skipped = (f" after skipping {self.skipped} step(s) (max_skips={self.max_skips})"
+                   if self.action == "skip" else "")  # fmt: skip
         return (
             f"non-finite training: {what} at global step {step} (epoch {epoch}, batch {batch}), learning rate "
             f"{lr}{skipped}. That step and any after it were not applied and nothing was saved; {where}. Resume "
@@ -214,27 +198,11 @@ def _nonfinite_grad(optimizer: torch.optim.Optimizer) -> str | None:
 def _first_sgd_momentum_step(optimizer: torch.optim.Optimizer) -> bool:
     """Fused SGD makes its momentum buffers with `empty_like` at the first step and fills them in the
     kernel: skipping that step on the device would leave them uninitialised."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    return any(
+    return isinstance(optimizer, torch.optim.SGD) and any(
         g["momentum"] and p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None
         for g in optimizer.param_groups
         for p in g["params"]
     )
-
-
-def last_good_checkpoint(trainer: L.Trainer) -> str | None:
-    """The most recent checkpoint file the run's checkpoint callbacks wrote (last.ckpt first)."""
-    candidates: list[str] = []
-    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-    callbacks.sort(key=lambda cb: not isinstance(cb, LastCheckpoint))
-    for cb in callbacks:
-        candidates += [cb.last_model_path, cb.best_model_path]
-    existing = [p for p in candidates if p and os.path.isfile(p)]
-    return max(existing, key=os.path.getmtime) if existing else None
-
-
-# ---- run folder and disk space ----------------------------------------------------------------------
 
 
 class RunDirError(RuntimeError):
@@ -242,8 +210,8 @@ class RunDirError(RuntimeError):
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -258,13 +226,10 @@ def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
     path = Path(run_dir).expanduser().absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".vitlab-write-probe-")
-        try:
-            os.write(fd, b"ok")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(probe)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".vitlab-write-probe-") as probe:
+            probe.write(b"ok")
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise RunDirError(
             f"run folder {path} is not writable ({type(exc).__name__}: {exc.strerror or exc}); "
@@ -278,16 +243,6 @@ def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
                 f"{' (' + what + ')' if what else ''}, {_fmt_bytes(free)} available; free some space or "
                 "choose another --run_dir"
             )
-
-
-def checkpoint_size_estimate(pl_module: torch.nn.Module, optimizer_slots: float = 2.0, averaged: bool = False) -> int:
-    """Bytes one training checkpoint takes: weights + buffers + optimizer state (`optimizer_slots`
-    copies of the trainable weights: 2 for Adam/AdamW, 1 for SGD with momentum) + an averaged copy
-    (EMA) when `averaged`."""
-    weights = sum(t.numel() * t.element_size() for t in pl_module.parameters())
-    weights += sum(t.numel() * t.element_size() for t in pl_module.buffers())
-    trainable = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
-    return int(weights + optimizer_slots * trainable + (weights if averaged else 0))
 
 
 class RunDirCheck(Callback):
@@ -306,10 +261,14 @@ class RunDirCheck(Callback):
         error = None
         if trainer.is_global_zero:
             run_dir = self.run_dir if self.run_dir is not None else trainer.default_root_dir
-            hp = getattr(pl_module, "hparams", {})
-            slots = 1.0 if hp.get("optimizer") == "sgd" else 2.0
+            # weights + buffers, the optimizer's moments (1 copy of the trainable weights for SGD, 2 for Adam)
+            # and an averaged copy under EMA
+            size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+            weights = size(pl_module.parameters()) + size(pl_module.buffers())
+            slots = 1 if getattr(pl_module, "hparams", {}).get("optimizer") == "sgd" else 2
             averaged = any(isinstance(cb, WeightAveraging) for cb in trainer.callbacks)
-            per_ckpt = checkpoint_size_estimate(pl_module, slots, averaged)
+            trainable = size(p for p in pl_module.parameters() if p.requires_grad)
+            per_ckpt = weights + slots * trainable + (weights if averaged else 0)
             need = self.keep * per_ckpt + self.margin_bytes
             what = f"{self.keep} checkpoints of ~{_fmt_bytes(per_ckpt)} (weights + optimizer state) + logs"
             try:

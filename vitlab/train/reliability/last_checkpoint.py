@@ -1,6 +1,4 @@
-"""`LastCheckpoint`: keeps last.ckpt current (periodically, after validation, at the end, and on
-SIGTERM/SIGUSR1), and makes a termination signal stop every rank together, or end the job when a rank
-is blocked."""
+"""`LastCheckpoint`: keeps last.ckpt current and makes a termination signal stop every rank together."""
 
 from __future__ import annotations
 
@@ -28,31 +26,21 @@ _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if has
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """Keeps `last.ckpt` current; the only writer of it in a vitlab run.
+    """The only writer of `<dirpath>/last.ckpt` (default `<default_root_dir>/checkpoints`): every
+    `every_n_train_steps` steps (Lightning's trigger), after every validation (or train epoch without
+    one), at the end of training, and on SIGTERM/SIGUSR1 (SLURM's `--signal=USR1@90`).
 
-    Saves `<dirpath>/last.ckpt` (default dirpath: `<default_root_dir>/checkpoints`, i.e. the run's
-    checkpoint folder) after every `every_n_train_steps` optimizer steps (so a kill loses at most that
-    many steps; Lightning's own `every_n_train_steps` trigger), after every validation (or every train
-    epoch without validation) and at the end of training.
+    A signal stops the run at a training batch's end through Lightning's `SIGTERMException` (exit status
+    0) after last.ckpt was saved there, so `--ckpt_path last` continues exactly. The handler only records
+    the signal: no collective and no save inside a signal handler, where Lightning's SIGTERM notifier
+    broadcasts and its SLURM requeue saves, each rank wherever it was interrupted. Under DDP the ranks
+    agree with one all-reduce at a batch end every `signal_check_every_n_steps` steps (default
+    `log_every_n_steps`); the USR1 handler found before (Lightning's SLURM requeue) runs after the save,
+    on every rank together. A rank blocked in a collective runs no Python handler: `SignalWatchdog` ends
+    it `signal_timeout_s` after the signal (exit status 124).
 
-    Signals: SIGTERM (and SIGUSR1, SLURM's preemption warning, `#SBATCH --signal=USR1@90`) stop the run
-    at the end of a training batch through Lightning's `SIGTERMException` (a `SystemExit`, exit status
-    0), after last.ckpt was saved there, so `vitlab fit ... --ckpt_path last` continues exactly. The
-    handler only records the signal: no collective and no save runs inside a signal handler (Lightning's
-    SIGTERM notifier broadcasts there, and its SLURM requeue handler saves a checkpoint there, each rank
-    wherever it was interrupted). Under DDP the ranks agree at a batch end, which every rank reaches
-    together (one all-reduce), every `signal_check_every_n_steps` optimizer steps (default: the trainer's
-    `log_every_n_steps`, where logging already waits for the device; the all-reduce is read on the host).
-    The USR1 handler that was installed before (Lightning's SLURM auto-requeue: an hpc checkpoint, then
-    `scontrol requeue`) runs after the save, on every rank together.
-
-    A signal must end the job even when a rank is blocked in a collective (where no Python signal
-    handler can run) or the save itself waits on a rank that never comes: `SignalWatchdog` then ends
-    the process (and the ranks it launched) `signal_timeout_s` seconds after the signal, with exit
-    status 124 and the reason logged; last.ckpt keeps the last completed save.
-
-    The checkpoint files are written atomically: at setup it installs `AtomicCheckpointIO` unless the
-    strategy carries a custom CheckpointIO, and it removes temporary files a killed run left behind.
+    At setup it installs `AtomicCheckpointIO` (unless a custom CheckpointIO is set) and removes the
+    temporary files a killed run left.
     """
 
     def __init__(
@@ -103,8 +91,6 @@ class LastCheckpoint(ModelCheckpoint):
                 log.info("removed a partial checkpoint left by an interrupted run: %s", p)
         self._prev_sigterm = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
 
-    # ---- saving ----------------------------------------------------------------------------------
-
     def save_last_now(self, trainer: L.Trainer) -> None:
         """Write last.ckpt unless it already holds this global step (or saving makes no sense now)."""
         if not self._should_skip_saving_checkpoint(trainer):
@@ -154,8 +140,6 @@ class LastCheckpoint(ModelCheckpoint):
         # save it guards is done, or its timer would end a process that outlives the fit (a notebook, pytest).
         self._stop_watchdog()
 
-    # ---- signals -----------------------------------------------------------------------------------
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if threading.current_thread() is not threading.main_thread():
@@ -173,8 +157,7 @@ class LastCheckpoint(ModelCheckpoint):
                 self._watchdog = watchdog
 
     def _on_signal(self, trainer: L.Trainer, signum: int, frame: Any) -> None:
-        """Record the signal and pass it on to the ranks this process launched (as Lightning's notifier
-        does); one process stops at this batch's end right away."""
+        """Record the signal and pass it on to the ranks this process launched; one process stops now."""
         log.info("[rank %d] received signal %d; stopping at the end of a training batch", trainer.global_rank, signum)
         launcher = trainer.strategy.launcher
         if not self._signal and launcher is not None:
@@ -185,10 +168,9 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.world_size == 1:
             mark_sigterm(trainer)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._stop_watchdog()
-
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, *args: Any, **kwargs: Any) -> None:  # also the teardown hook
         if self._watchdog is not None:
             self._watchdog.uninstall()
             self._watchdog = None
+
+    teardown = _stop_watchdog

@@ -1,6 +1,5 @@
-"""Secret redaction: credentials from the environment (and string values under credential keys) must never
-reach config.yaml, saved hyperparameters, checkpoints or log records, which are shared far more widely
-than the environment they came from. Nothing else is rewritten: the record must rerun and reload as given."""
+"""Credentials from the environment (and string values under credential keys) never reach config.yaml,
+saved hyperparameters, checkpoints or log records. Nothing else is rewritten: the record must rerun as given."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning as L
@@ -27,10 +26,8 @@ _SECRET_ENV = re.compile(
     r"|PRIVATE_?KEY|AUTH)(?:_|$)",
     re.IGNORECASE,
 )
-# Values that are credentials by a provider's documented prefix, whatever the variable is called:
-# Hugging Face (hf_), GitHub (ghp_, gho_, ..., github_pat_), GitLab (glpat-), Slack (xoxb-...), AWS access
-# key ids, JWTs. Nothing else is judged by its shape: a commit hash, a run id or a hub revision in the
-# environment is not a credential, and rewriting it would change the run's record.
+# Values that are credentials by a provider's documented prefix, whatever the variable is called (Hugging
+# Face, GitHub, GitLab, Slack, AWS key ids, JWTs); nothing else by its shape: a commit hash is no secret.
 _SECRET_SHAPES = re.compile(
     r"(?:hf|gh[pousr])_[A-Za-z0-9]{30,}"
     r"|github_pat_[A-Za-z0-9_]{50,}"
@@ -39,24 +36,17 @@ _SECRET_SHAPES = re.compile(
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
 )
-# Config / hparam keys whose (string) value is a credential: the credential word ends the key
-# ("api_key", "wandb_api_key", "db_password", "secret"), and a token only when it is one by name
-# ("token", "hf_token", "auth_token"): class_token, mask_token or a tokenizer's pad_token are not.
+# Config keys whose (string) value is a credential ("api_key", "db_password", "hf_token"); class_token,
+# mask_token or a tokenizer's pad_token are not.
 _SECRET_KEY = re.compile(
     r"(?:^|.*[-_])(?:api[-_]?key|apikey|secret|secret[-_]key|password|passwd|passphrase|credentials?"
     r"|access[-_]?key|private[-_]?key)"
     r"|(?:(?:hf|hub|api|auth|access|bearer|refresh|oauth|github|gh|gitlab|wandb|slack|use[-_]auth)[-_])?token",
     re.IGNORECASE,
 )
-# user:password@ inside a URL.
-_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")  # user:password@ inside a URL
 # Short values ("1", "true") would redact half of every file; real credentials are longer.
 _MIN_SECRET_LEN = 8
-
-
-def looks_like_secret(value: str) -> bool:
-    """True when `value` is a credential by its provider's prefix (see `_SECRET_SHAPES`)."""
-    return bool(_SECRET_SHAPES.fullmatch(value.strip()))
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -64,19 +54,17 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     their provider's token prefix, longest first."""
     env = os.environ if environ is None else environ
     found = {
-        v for k, v in env.items() if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or looks_like_secret(v))
-    }
+        v for k, v in env.items()
+        if len(v) >= _MIN_SECRET_LEN and (_SECRET_ENV.search(k) or _SECRET_SHAPES.fullmatch(v.strip()))
+    }  # fmt: skip
     return sorted(found, key=len, reverse=True)
-
-
-def is_secret_key(key: Any) -> bool:
-    """True for a config key that names a credential (`api_key`, `token`, `hf_token`, `db_password`...)."""
-    return isinstance(key, str) and bool(_SECRET_KEY.fullmatch(key.rsplit(".", 1)[-1]))
 
 
 def _is_secret_item(key: Any, value: Any) -> bool:
     # Only a string can be a credential: `class_token: false` or `token: null` stay as they are.
-    return isinstance(value, str) and bool(value) and is_secret_key(key)
+    return isinstance(value, str) and bool(value) and isinstance(key, str) and bool(
+        _SECRET_KEY.fullmatch(key.rsplit(".", 1)[-1])
+    )
 
 
 def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
@@ -115,12 +103,10 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
     return obj
 
 
-def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
-    """wandb records the command line (`sys.argv`) in its run metadata. When the command line carries
-    a secret, turn that collection off for this process (`WANDB__DISABLE_META`, read when wandb starts)
-    and say so. Returns True when it did."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    joined = "\n".join(args)
+def keep_argv_out_of_trackers() -> bool:
+    """When the command line carries a secret, turn off wandb's metadata (which records `sys.argv`) for this
+    process (`WANDB__DISABLE_META`, read when wandb starts) and say so. Returns True when it did."""
+    joined = "\n".join(sys.argv[1:])
     if redact_text(joined) == joined:
         return False
     os.environ["WANDB__DISABLE_META"] = "true"
@@ -134,9 +120,9 @@ def keep_argv_out_of_trackers(argv: Sequence[str] | None = None) -> bool:
 class SecretLogFilter(logging.Filter):
     """Rewrites log records that contain a secret before any handler writes them."""
 
-    def __init__(self, secrets: Iterable[str] | None = None) -> None:
+    def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        self.secrets = secret_values() if secrets is None else list(secrets)
+        self.secrets = list(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -153,18 +139,13 @@ _LOGGERS = ("", "lightning", "lightning.pytorch", "lightning.fabric", "vitlab")
 
 
 class RedactSecrets(Callback):
-    """Keeps credentials out of everything a run writes.
-
-    At setup (before `SaveConfigCallback` writes config.yaml and before the loggers record
-    hyperparameters) it redacts the config the save-config callback holds (a redacted copy) and the
-    LightningModule's and DataModule's hparams (in place: the attributes the objects were built with
-    keep their values), and installs `SecretLogFilter` on the log handlers. `AtomicCheckpointIO`
-    redacts the hyperparameters of each checkpoint once more. A checkpoint whose hparams held a secret
-    (say, an `init_from` URL with a password) therefore does not rebuild by itself from them.
-    """
+    """Keeps credentials out of everything a run writes: at setup, before config.yaml and the loggers'
+    hyperparameters are written, it redacts the save-config callback's config (a copy) and the module's and
+    data module's hparams (the objects keep their values), and filters the log handlers.
+    `AtomicCheckpointIO` redacts each checkpoint's hyperparameters once more."""
 
     def __init__(self) -> None:
-        self._filter: SecretLogFilter | None = None
+        self._filter = SecretLogFilter([])
         self._handlers: list[logging.Handler] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -179,24 +160,15 @@ class RedactSecrets(Callback):
                 hp = getattr(holder, attr, None)
                 if isinstance(hp, dict):
                     hp.update(redact(dict(hp), secrets))
-        self._install_filter(secrets)
-
-    def _install_filter(self, secrets: list[str]) -> None:
         self._remove_filter()
         self._filter = SecretLogFilter(secrets)
-        for name in _LOGGERS:
-            for handler in logging.getLogger(name).handlers:
-                handler.addFilter(self._filter)
-                self._handlers.append(handler)
+        self._handlers = [handler for name in _LOGGERS for handler in logging.getLogger(name).handlers]
+        for handler in self._handlers:
+            handler.addFilter(self._filter)
 
-    def _remove_filter(self) -> None:
-        if self._filter is not None:
-            for handler in self._handlers:
-                handler.removeFilter(self._filter)
-        self._filter, self._handlers = None, []
+    def _remove_filter(self, *args: Any, **kwargs: Any) -> None:  # also the teardown and on_exception hooks
+        for handler in self._handlers:
+            handler.removeFilter(self._filter)
+        self._handlers = []
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._remove_filter()
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._remove_filter()
+    on_exception = teardown = _remove_filter

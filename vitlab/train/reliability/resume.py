@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -20,26 +21,19 @@ log = logging.getLogger("vitlab")
 
 
 class ExactResume(Callback):
-    """Makes a resumed run continue exactly where its checkpoint was taken (same batches, same
-    augmentation, same later epochs), and takes over restoring the train loader's state:
+    """Stores and restores, for every rank its own, what a resumed run needs to continue exactly:
 
-    - RNG: the global torch / numpy / python (and CUDA) streams of every rank are stored in every
-      checkpoint and restored, each rank its own, just before the first batch of the resumed run.
-      DataLoader workers' streams are part of the loader's state (`WorkerRandomState`).
-    - Loader generators: the shuffling generator of each train loader is stored too, because
-      restoring a torchdata StatefulDataLoader rewinds it to the start of the epoch, so every later
-      epoch would be shuffled differently from the uninterrupted run.
-    - Loader position: the loader state (`loader.state_dict()`, worker streams included) of every rank
-      is stored and applied here, each rank its own. Lightning's stateful-loader restore falls short:
-      its checkpoint holds rank 0's state only, and it drops it when `configure_optimizers` reads
-      `trainer.estimated_stepping_batches`, as ViTClassifier does (lightning#20550: `FitLoop.setup_data`
-      then runs before the restore and never again); a state taken at the end of an epoch is dropped
-      here, because a StatefulDataLoader restored from it yields an empty next epoch.
+    - the global torch / numpy / python (and CUDA) random streams, restored just before the first batch;
+    - each train loader's shuffling generator: restoring a StatefulDataLoader rewinds it to the epoch
+      start, so every later epoch would be shuffled differently;
+    - each train loader's state (position, worker streams). Lightning's own restore keeps rank 0's state
+      only, and drops it when `configure_optimizers` reads `estimated_stepping_batches`, as
+      ViTClassifier does (lightning#20550); a state taken at an epoch's end is dropped, since a loader
+      restored from it yields an empty next epoch.
 
-    `state_dict` holds this rank's state and runs no collective; under DDP `on_save_checkpoint`, which
-    every rank runs together inside `trainer.save_checkpoint`, gathers the ranks' states into rank 0's
-    file. A resume on a different number of ranks restores rank 0's state on every rank and derives the
-    other ranks' streams from it: the data order is kept, not the exact augmentation.
+    `state_dict` runs no collective; under DDP `on_save_checkpoint` (every rank together) gathers the
+    ranks' states into rank 0's file. Resumed on another number of ranks, every rank starts from rank 0's
+    state and derives its streams from it: same data order, not the same augmentation.
     """
 
     def __init__(self) -> None:
@@ -53,14 +47,12 @@ class ExactResume(Callback):
         if stage == "fit":
             _decorrelate_ranks(trainer)
 
-    # ---- saving ----------------------------------------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         loaders = _train_loaders(self._trainer)
-        return {
-            "rng": get_rng_state(), "generators": [_generator_states(dl) for dl in loaders],
-            "loaders": [dl.state_dict() for dl in loaders if hasattr(dl, "load_state_dict")],
-        }  # fmt: skip
+        generators = [{k: g.get_state() if g is not None else None for k, g in _generators(dl).items()}
+                      for dl in loaders]  # fmt: skip
+        loader_states = [dl.state_dict() for dl in loaders if hasattr(dl, "load_state_dict")]
+        return {"rng": get_rng_state(), "generators": generators, "loaders": loader_states}
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         # Not from a signal handler in a vitlab run: LastCheckpoint runs Lightning's SLURM requeue save after
@@ -69,8 +61,6 @@ class ExactResume(Callback):
             ranks: list[Any] = [None] * trainer.world_size
             dist.all_gather_object(ranks, checkpoint["callbacks"][self.state_key])
             checkpoint["callbacks"][self.state_key] = {"ranks": ranks}
-
-    # ---- loading ---------------------------------------------------------------------------------
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         # Before Lightning restores its loops: take its copy out so the states are applied once, here.
@@ -116,18 +106,15 @@ class ExactResume(Callback):
 
 
 def _train_loaders(trainer: L.Trainer | None) -> list[Any]:
-    """The running fit's train DataLoaders, flattened; [] before they exist."""
     loaders = trainer.train_dataloader if trainer is not None else None
     return CombinedLoader(loaders).flattened if loaders is not None else []
 
 
-def _generator_states(dl: Any) -> dict[str, Any]:
-    gen = getattr(dl, "generator", None)
-    sgen = getattr(getattr(dl, "sampler", None), "generator", None)
-    return {
-        "loader": gen.get_state() if isinstance(gen, torch.Generator) else None,
-        "sampler": sgen.get_state() if isinstance(sgen, torch.Generator) else None,
-    }
+def _generators(dl: Any) -> dict[str, torch.Generator | None]:
+    """The loader's and its sampler's shuffling generators."""
+    sampler = getattr(dl, "sampler", None)
+    gens = {"loader": getattr(dl, "generator", None), "sampler": getattr(sampler, "generator", None)}
+    return {k: g if isinstance(g, torch.Generator) else None for k, g in gens.items()}
 
 
 def _epoch_consumed(states: list[dict[str, Any]], loaders: list[Any], num_batches: float) -> bool:
@@ -152,12 +139,9 @@ def _set_generator_states(loaders: list[Any], states: list[dict[str, Any]] | Non
     if not states or len(states) != len(loaders):
         return
     for dl, state in zip(loaders, states):
-        gen = getattr(dl, "generator", None)
-        sgen = getattr(getattr(dl, "sampler", None), "generator", None)
-        if state.get("loader") is not None and isinstance(gen, torch.Generator):
-            gen.set_state(state["loader"])
-        if state.get("sampler") is not None and isinstance(sgen, torch.Generator):
-            sgen.set_state(state["sampler"])
+        for key, gen in _generators(dl).items():
+            if gen is not None and state.get(key) is not None:
+                gen.set_state(state[key])
 
 
 def _decorrelate_ranks(trainer: L.Trainer) -> None:
@@ -168,6 +152,4 @@ def _decorrelate_ranks(trainer: L.Trainer) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) + trainer.global_rank
     torch.manual_seed(seed)
     random.seed(seed)
-    import numpy as np
-
     np.random.seed(seed % 2**32)

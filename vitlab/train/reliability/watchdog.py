@@ -1,12 +1,10 @@
 """A termination signal must end the process even when its main thread is blocked.
 
-Python runs a signal handler only between bytecodes of the main thread. A rank blocked in a
-collective that another rank never joins (an all-reduce, the barrier of a checkpoint save) sits in C
-code, so Lightning's SIGTERM handler never runs there and `timeout`/SLURM's SIGTERM does nothing
-until the process-group timeout (30 minutes by default). `SignalWatchdog` hears the signal anyway,
-through the wake-up fd that CPython's C-level handler writes the signal number to, and gives the
-normal path (finish the batch, save last.ckpt, exit) `timeout_s` seconds; after that it logs why,
-ends the ranks this process launched, and exits with `EXIT_CODE`.
+Python runs signal handlers between bytecodes of the main thread only, so a rank blocked in a collective
+another rank never joins ignores SIGTERM until the process-group timeout (30 minutes). `SignalWatchdog`
+hears the signal through the wake-up fd CPython's C-level handler writes to, gives the normal path (finish
+the batch, save last.ckpt, exit) `timeout_s` seconds, then logs why, ends the ranks this process launched
+and exits with `EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 log = logging.getLogger("vitlab")
 
@@ -26,24 +25,17 @@ EXIT_CODE = 124  # as `timeout`: the job was stopped, not finished
 
 
 class SignalWatchdog:
-    """Watches for `signals` from a daemon thread; see the module docstring.
-
-    `on_expire` runs just before the exit (end child ranks there). Install from the main thread,
-    after the Python-level handlers for the signals are in place (the wake-up fd is only written for
-    signals that have one).
-    """
+    """Watches for `signals` from a daemon thread; `on_expire` runs just before the exit. Install from the
+    main thread after the signals' Python handlers (the wake-up fd is written only for those)."""
 
     def __init__(
-        self,
-        timeout_s: float,
-        signals: tuple[int, ...] = (signal.SIGTERM,),
+        self, timeout_s: float, signals: tuple[int, ...] = (signal.SIGTERM,),
         on_expire: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.timeout_s = timeout_s
         self.signals = {int(s) for s in signals}
         self.on_expire = on_expire
         self._sockets: tuple[socket.socket, socket.socket] | None = None
-        self._prev_fd = -1
         self._closed = threading.Event()
 
     def install(self) -> bool:
@@ -69,10 +61,8 @@ class SignalWatchdog:
         signal.set_wakeup_fd(-1)
         self._closed.set()
         recv, send = self._sockets
-        try:
+        with suppress(OSError):
             recv.shutdown(socket.SHUT_RDWR)  # wakes the watching thread's recv
-        except OSError:
-            pass
         recv.close()
         send.close()
         self._sockets = None
@@ -83,11 +73,10 @@ class SignalWatchdog:
                 data = recv.recv(64)
             except OSError:  # closed by uninstall
                 return
-            if not data:
-                return
             hit = [b for b in data if b in self.signals]
             if hit:
                 self._expire_after(signal.Signals(hit[0]).name)
+            if hit or not data:
                 return
 
     def _expire_after(self, name: str) -> None:

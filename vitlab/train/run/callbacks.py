@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, RichModelSummary, ThroughputMonitor
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
@@ -16,11 +17,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vitlab.data.batch import split_batch
 
-try:
-    import psutil
-except ImportError:  # pragma: no cover - optional: without it the CPU peak memory is not reported
-    psutil = None
-
 
 def batch_images(batch: Any) -> int:
     """Number of images in a batch (`split_batch`'s layouts)."""
@@ -28,44 +24,25 @@ def batch_images(batch: Any) -> int:
 
 
 class EMA(EMAWeightAveraging):
-    """Exponential moving average of the weights, on Lightning's `EMAWeightAveraging`.
-
-    What the base class does (and vitlab relies on): validation runs with the EMA weights swapped
-    in; a saved checkpoint's `state_dict` is the EMA one (the raw weights go to
-    `current_model_state`, restored on resume), so the exported model is the EMA model; at the
-    end of fit the EMA weights are copied into the module.
-
-    vitlab's `ViTClassifier` builds its model in `__init__` (its `configure_model` only compiles),
-    so setup copies the module as is instead of calling `configure_model` first.
-    """
+    """Lightning's `EMAWeightAveraging` (validation and saved/exported weights are the EMA ones; the raw
+    weights are restored on resume), with the epoch of its last update kept across a resume. vitlab's
+    modules build their model in `__init__` (`configure_model` only compiles), so setup copies the module
+    as is instead of calling `configure_model` first."""
 
     def __init__(
-        self,
-        decay: float = 0.9998,
-        update_every_n_steps: int = 1,
-        update_starting_at_step: int | None = None,
-        update_starting_at_epoch: int | None = None,
-        device: str | None = None,
-        use_buffers: bool = True,
-    ) -> None:
+        self, decay: float = 0.9998, update_every_n_steps: int = 1, update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None, device: str | None = None, use_buffers: bool = True,
+    ) -> None:  # fmt: skip
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must lie in (0, 1) (got {decay})")
-        super().__init__(
-            device=device,
-            use_buffers=use_buffers,
-            decay=decay,
-            update_every_n_steps=update_every_n_steps,
-            update_starting_at_step=update_starting_at_step,
-            update_starting_at_epoch=update_starting_at_epoch,
-        )
+        super().__init__(device, use_buffers, decay, update_every_n_steps, update_starting_at_step,
+                         update_starting_at_epoch)  # fmt: skip
         self.decay = decay
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and getattr(pl_module, "builds_model_in_init", False):
             device = self._device or pl_module.device
-            self._average_model = AveragedModel(
-                model=pl_module, device=device, use_buffers=self._use_buffers, **self._kwargs
-            )
+            self._average_model = AveragedModel(pl_module, device, use_buffers=self._use_buffers, **self._kwargs)
             return
         super().setup(trainer, pl_module, stage)
 
@@ -78,11 +55,8 @@ class EMA(EMAWeightAveraging):
 
 
 def flops_per_image(model: torch.nn.Module) -> dict[str, int]:
-    """FLOPs of one image through a vitlab model: {"train": forward + backward, "eval": forward}.
-
-    Counted once with `torch.utils.flop_counter` on a meta-device copy: no memory, no compute, and
-    no random numbers drawn (dropout), so counting leaves a run's random streams alone.
-    """
+    """FLOPs of one image through a vitlab model: {"train": forward + backward, "eval": forward}, counted on
+    a meta-device copy: no memory, no compute, no random numbers drawn (the run's streams stay as they are)."""
     config = getattr(model, "config", None)
     if not isinstance(config, Mapping) or "img_size" not in config:
         return {}
@@ -100,20 +74,10 @@ def flops_per_image(model: torch.nn.Module) -> dict[str, int]:
 
 
 class PerfMonitor(ThroughputMonitor):
-    """Throughput on Lightning's `ThroughputMonitor`, plus samples seen, epoch time and peak memory.
-
-    Throughput (rank 0, over a rolling window of `window` time points, taken at logging steps only, since
-    each one waits for the device; the default 2 measures the last `log_every_n_steps` steps; names as
-    Lightning writes them):
-    `train/device/samples_per_sec` (images/s per device; `train/samples_per_sec` for all devices
-    when there are several), `train/device/flops_per_sec` and, on GPUs whose peak Lightning knows,
-    `train/device/mfu`; the same under `validate/`. The FLOPs per image are counted once at setup
-    (`flops_per_image`); Lightning reads them from the module's `flops_per_batch`, set per batch here.
-
-    Also `train/samples_seen` (all ranks, restored on resume), `perf/epoch_time_s` (the training
-    epoch's wall time, its validation included) and `perf/peak_mem_mb` (CUDA's
-    `max_memory_allocated` on GPU, else the process RSS sampled every step).
-    """
+    """Lightning's `ThroughputMonitor` (samples/s, FLOPs/s and MFU, from `flops_per_image` counted once), its
+    time points taken at logging steps only, since each waits for the device: a `window` of 2 measures the
+    last `log_every_n_steps` steps. Also `train/samples_seen` (all ranks, restored on resume),
+    `perf/epoch_time_s` (validation included) and `perf/peak_mem_mb` (CUDA's, else the process RSS)."""
 
     def __init__(self, window: int = 2) -> None:
         super().__init__(batch_size_fn=batch_images, window_size=window)
@@ -150,11 +114,9 @@ class PerfMonitor(ThroughputMonitor):
             self._samples[stage] += batch_images(batch)
             self._batches[stage] += 1
         self.samples_seen += batch_images(batch) * trainer.world_size
-        # float64 keeps the count exact past float32's 2**24
-        pl_module.log(
-            "train/samples_seen", torch.tensor(self.samples_seen, dtype=torch.float64), on_step=True, on_epoch=False
-        )
-        if pl_module.device.type != "cuda" and psutil is not None:
+        seen = torch.tensor(self.samples_seen, dtype=torch.float64)  # float64: exact past float32's 2**24
+        pl_module.log("train/samples_seen", seen, on_step=True, on_epoch=False)
+        if pl_module.device.type != "cuda":
             self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
 
     def on_validation_batch_end(
@@ -170,12 +132,8 @@ class PerfMonitor(ThroughputMonitor):
         if pl_module.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(pl_module.device)
         else:
-            peak = self._peak_rss or (psutil.Process().memory_info().rss if psutil is not None else 0)
-            if not peak:
-                return
-        pl_module.log(
-            "perf/peak_mem_mb", peak / 2**20, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max"
-        )
+            peak = self._peak_rss or psutil.Process().memory_info().rss
+        pl_module.log("perf/peak_mem_mb", peak / 2**20, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def state_dict(self) -> dict[str, Any]:
         return {"samples_seen": self.samples_seen}
@@ -216,11 +174,8 @@ class RichImageFlopsSummary(_ImageFlops, RichModelSummary):
 
 
 def image_flops_summary(summary: ModelSummary) -> ModelSummary:
-    """The same summary (depth and options kept) with the FLOPs filled in; other summary types as they are."""
+    """The same summary (depth and options kept), its FLOPs filled in; other summary types as they are."""
     kinds = {ModelSummary: ImageFlopsSummary, RichModelSummary: RichImageFlopsSummary}
-    kind = kinds.get(type(summary))
-    if kind is None:
-        return summary
-    counted = kind.__new__(kind)
-    counted.__dict__.update(summary.__dict__)
-    return counted
+    if type(summary) in kinds:
+        summary.__class__ = kinds[type(summary)]
+    return summary

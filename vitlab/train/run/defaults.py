@@ -36,16 +36,6 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _resumed_wandb_id(run_dir: Path, ckpt_path: str | None) -> str | None:
-    if not ckpt_path:
-        return None
-    path = checkpoint_dir(run_dir) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.is_file():
-        return None
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return ckpt.get(WANDB_ID_KEY)
-
-
 def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
     wandb_dir = run_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +47,11 @@ def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
             "wandb: no API key found, logging offline to %s; upload later with `wandb sync %s/offline-run-*`",
             wandb_dir, wandb_dir,
         )  # fmt: skip
-    run_id = _resumed_wandb_id(run_dir, ckpt_path)
+    # A resumed run continues the wandb run its checkpoint names.
+    ckpt = checkpoint_dir(run_dir) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path or "")
+    run_id = None
+    if ckpt_path and ckpt.is_file():
+        run_id = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get(WANDB_ID_KEY)
     return WandbLogger(
         save_dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "vitlab"), name=run_dir.name,
         offline=offline, id=run_id, resume="allow" if run_id else None,
@@ -65,20 +59,16 @@ def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
 
 
 def tensorboard_tag(key: str) -> str:
-    """The TensorBoard tag of a logged scalar: loss and accuracy keep their names (`train/loss`,
-    `val/acc1`, `train/loss_epoch`, `train/loss_distill`, ...); every other scalar (learning rate,
-    throughput, samples seen, epoch time, memory) goes under `vitals/`, which sorts after `train`,
-    `test` and `val`: `lr` -> `vitals/lr`, `train/device/samples_per_sec` -> `vitals/train/device/...`."""
+    """Loss and accuracy keep their names (`train/loss`, `val/acc1`...); every other scalar goes under
+    `vitals/`, which sorts after `train`, `test` and `val` (`lr` -> `vitals/lr`)."""
     group, _, name = key.partition("/")
     return key if group in ("train", "val", "test") and name.startswith(("loss", "acc")) else f"vitals/{key}"
 
 
 class HeadlineTensorBoardLogger(TensorBoardLogger):
-    """Lightning's TensorBoardLogger, its scalars named so that the Time Series tab TensorBoard opens
-    on shows loss and accuracy first. That tab sorts the cards by tag, groups them by the tag's first
-    segment and, on first load, expands the first two groups only: here `train` and `val`, holding
-    loss, accuracy and the validation figures (`tensorboard_tag`). Lightning's `epoch` (added to every
-    row it logs: a staircase over steps) is left out. The CSV and wandb keep Lightning's names."""
+    """Lightning's TensorBoardLogger, its scalars renamed (`tensorboard_tag`) so that the Time Series tab,
+    which expands its first two groups only, opens on `train` and `val`: loss, accuracy and the figures.
+    Lightning's `epoch` column (a staircase over steps) is left out."""
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         super().log_metrics({tensorboard_tag(k): v for k, v in metrics.items() if k != "epoch"}, step)
@@ -91,9 +81,7 @@ def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None
     for name in names:
         if name == "tensorboard":
             # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
-            loggers.append(
-                HeadlineTensorBoardLogger(str(run_dir), name="tensorboard", version="", default_hp_metric=False)
-            )
+            loggers.append(HeadlineTensorBoardLogger(str(run_dir), "tensorboard", "", default_hp_metric=False))
         elif name == "csv":
             loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
         elif name == "wandb":
@@ -113,12 +101,9 @@ class RememberWandbRun(Callback):
 
 
 class EndRanksOnFailure(Callback):
-    """When rank 0 of `vitlab fit --trainer.devices=N` (the process that launched the other ranks)
-    fails, end the ranks it started. Lightning does this for Ctrl-C only; otherwise a rank waiting in
-    a collective that rank 0 never joins holds its GPU until the process-group timeout (30 min).
-    Preemption (SIGTERM) is left alone: every rank saves and exits on its own. Under torchrun and
-    `srun --kill-on-bad-exit=1` the launcher does this job.
-    """
+    """When rank 0 of `--trainer.devices=N` (which launched the other ranks) fails, end those ranks:
+    Lightning does so for Ctrl-C only, and a rank left waiting in a collective holds its GPU until the
+    process-group timeout. SIGTERM is left alone: every rank saves and exits on its own."""
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
@@ -135,14 +120,10 @@ def run_callbacks(
     run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None,
     model: LightningModule | None = None,
 ) -> list[Callback]:  # fmt: skip
-    """Callbacks every run needs that the recipe did not already configure.
-
-    The best checkpoint (by val/acc1) and `LastCheckpoint`, the single writer of last.ckpt (after every
-    validation, every `every_n_train_steps` steps when given, and on SIGTERM/SIGUSR1), both in
-    `<run_dir>/checkpoints`; the non-finite loss guard, RNG-state checkpointing for exact resume,
-    secret redaction, the validation figures of `model`'s objective and the run-folder/disk-space check.
-    Fails now if `run_dir` is not writable.
-    """
+    """Callbacks every run needs that the recipe did not already configure: the best checkpoint (by
+    val/acc1) and `LastCheckpoint` in `<run_dir>/checkpoints`, the non-finite guard, exact resume, secret
+    redaction, throughput, `model`'s validation figures, the image-size schedule and the run-folder check.
+    Fails now if `run_dir` is not writable."""
     check_run_dir(run_dir)  # before any logger or callback writes into it
     keep_argv_out_of_trackers()  # before wandb starts and records the command line
     extra: list[Callback] = [RememberWandbRun(), EndRanksOnFailure()]
@@ -176,22 +157,14 @@ def run_callbacks(
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU runs bf16 matrix products natively (avx512_bf16 or AMX tiles; oneDNN then runs a
-    bf16 matmul about 2x faster than float32). Without them bf16 is emulated and slower than float32."""
-    native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if all(callable(f) for f in native):  # torch's own probe (private; the flags below cover a torch without it)
-        return any(f() for f in native)
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU runs bf16 matrix products natively (avx512_bf16 or AMX tiles, about 2x float32);
+    without them bf16 is emulated and slower than float32. torch's own (private) probe."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def cpu_precision(precision: str | int | None, accelerator: Any = "cpu") -> str | int | None:
-    """The precision a run trains in: on the CPU (`accelerator` "cpu", or "auto"/None without a GPU), a
-    bf16 setting falls back to 32-true, with one log line, when the CPU lacks native bf16
-    (`cpu_has_fast_bf16`); anything else is returned as given."""
+    """`precision`, except that a bf16 setting on a CPU without native bf16 (`cpu_has_fast_bf16`) falls
+    back to 32-true, with one log line."""
     on_cpu = accelerator == "cpu" or (
         accelerator in (None, "auto") and not torch.cuda.is_available() and not torch.backends.mps.is_available()
     )
@@ -203,8 +176,7 @@ def cpu_precision(precision: str | int | None, accelerator: Any = "cpu") -> str 
 
 
 def run_plugins(existing: Sequence[Any] | None = None) -> list[Any]:
-    """Trainer plugins every run needs that the recipe did not configure: `AtomicCheckpointIO`
-    (temp file + fsync + rename, safe `weights_only=True` loading) unless a CheckpointIO is given."""
+    """`AtomicCheckpointIO`, unless the recipe's plugins hold a CheckpointIO."""
     if any(isinstance(p, CheckpointIO) for p in existing or []):
         return []
     return [AtomicCheckpointIO()]

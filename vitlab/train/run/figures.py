@@ -1,21 +1,17 @@
 """Figures a run logs while it trains: sample predictions, last-layer attention, the confusion matrix,
-masked patch prediction's corrupted and predicted patches, and where a fine-tune run started from.
+masked patch prediction's patches, and where a fine-tune run started from.
 
-Images go to every logger that takes them: TensorBoard (`add_image`) and anything with a
-`log_image(key, images, step)` method (wandb); the CSV logger has no images and is skipped. The
-latest PNGs are also written to `<run_dir>/figures/`, so a CSV-only run still has them.
-
-Only rank 0 draws. The confusion matrix is a torchmetrics metric updated on every rank and summed
-across ranks when computed, so it covers the whole validation set (exactly once per image with
-vitlab's unpadded validation sampler).
+Images go to TensorBoard and to any logger with `log_image(key, images, step)` (wandb); the latest PNGs
+also to `<run_dir>/figures/`, so a CSV-only run has them. Only rank 0 draws; the confusion matrix is
+summed across ranks, so it covers the whole validation set.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, WeightAveraging
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from matplotlib.patches import Rectangle
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vitlab.analysis.commands import class_names
@@ -37,16 +35,7 @@ from vitlab.train.objectives.mpp import (
 
 log = logging.getLogger("vitlab")
 
-PREDICTIONS_TAG = "val/predictions"
-ATTENTION_TAG = "val/attention"
-CONFUSION_TAG = "val/confusion_matrix"
-
-
-# ---- helpers ---------------------------------------------------------------------------------------
-
-
 def _vit(pl_module: L.LightningModule) -> Any:
-    """The VisionTransformer inside the LightningModule (or the module itself)."""
     return getattr(pl_module, "model", pl_module)
 
 
@@ -60,13 +49,9 @@ def _rgb(pixels: torch.Tensor) -> np.ndarray:
 
 
 def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits `[B, classes]` and the last block's attention to the patches, `[B, h, w]`.
-
-    The rows read are those the model pools: the class token's, the mean of the patch rows (GAP),
-    or for sequence pooling the rows weighted by the learned pooling weights (as `vitlab explain`
-    reads them); heads are averaged. Values are the attention weights themselves (a row's mass on
-    the patches; the rest sits on the prefix tokens).
-    """
+    """Logits `[B, classes]` and the last block's attention to the patches, `[B, h, w]`, heads averaged,
+    from the rows the model pools: the class token's, the mean of the patch rows (GAP), or the rows
+    weighted by the learned pooling weights (sequence pooling)."""
     logits, attn = model.forward_attention(x)
     a = attn[-1].float().mean(dim=1)  # [B, N, N], heads averaged
     prefix = int(model.num_prefix_tokens)
@@ -81,19 +66,13 @@ def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits.float(), row.reshape(-1, h, w)
 
 
-def figure_to_array(fig: Any) -> np.ndarray:
-    """An Agg-backed figure -> uint8 RGB `[H, W, 3]`."""
-    fig.canvas.draw()
-    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-
-
 def _image_grid(images: np.ndarray, draw: Any, title: str, cell_height: float, title_room: float, hspace: float) -> Any:
     """A near-square grid with `draw(ax, i)` called for each image's cell; empty cells stay blank."""
     cols = max(1, math.ceil(math.sqrt(len(images))))
     rows = math.ceil(len(images) / cols)
     height = cell_height * rows + 0.35
     fig = new_figure((1.7 * cols, height), dpi=100)
-    for i, ax in enumerate(np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()):
+    for i, ax in enumerate(fig.subplots(rows, cols, squeeze=False).ravel()):
         ax.set_axis_off()
         if i < len(images):
             ax.imshow(images[i], interpolation="nearest")
@@ -116,15 +95,10 @@ def plot_prediction_grid(images: np.ndarray, targets: Sequence[int], preds: Sequ
 
 
 def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[int], names: Sequence[str]) -> Any:
-    """Each image with its last-layer attention map over it (bilinear to the image size).
-
-    Each map is stretched to its own [min, max]: early in training attention is nearly uniform, and
-    a plain max-scaling would paint every image the same colour.
-    """
-    size = images.shape[1:3]
-    up = F.interpolate(heat[:, None].float().cpu(), size=size, mode="bilinear", align_corners=False)[:, 0]
-    lo = up.flatten(1).amin(dim=1).view(-1, 1, 1)
-    hi = up.flatten(1).amax(dim=1).view(-1, 1, 1)
+    """Each image with its last-layer attention map over it, each map stretched to its own [min, max]:
+    early attention is nearly uniform, and one scale would paint every image the same colour."""
+    up = F.interpolate(heat[:, None].float().cpu(), size=images.shape[1:3], mode="bilinear", align_corners=False)[:, 0]
+    lo, hi = (v.view(-1, 1, 1) for v in up.flatten(1).aminmax(dim=1))
     up = ((up - lo) / (hi - lo).clamp_min(1e-12)).numpy()
 
     def draw(ax: Any, i: int) -> None:
@@ -136,7 +110,7 @@ def plot_attention_grid(images: np.ndarray, heat: torch.Tensor, preds: Sequence[
 
 def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str]) -> Any:
     """Counts (rows: true class, columns: predicted), coloured by the row fraction (per-class recall)."""
-    m = np.asarray(matrix.detach().cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.int64)
+    m = np.asarray(matrix, dtype=np.int64)
     n = m.shape[0]
     frac = m / np.maximum(m.sum(axis=1, keepdims=True), 1)
     side = min(12.0, max(4.0, 0.35 * n + 2.0))
@@ -161,25 +135,8 @@ def plot_confusion_matrix(matrix: torch.Tensor | np.ndarray, names: Sequence[str
     return fig
 
 
-def log_image(trainer: L.Trainer, tag: str, image: np.ndarray, step: int) -> int:
-    """Send an RGB array to every logger that takes images; returns how many did."""
-    sent = 0
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
-            sent += 1
-        elif callable(getattr(logger, "log_image", None)):
-            logger.log_image(key=tag, images=[image], step=step)
-            sent += 1
-    return sent
-
-
 def _full_weights(trainer: L.Trainer) -> AbstractContextManager:
-    """Under FSDP, gather the whole model on rank 0 for a plain (non-FSDP) forward; a no-op otherwise.
-
-    Every rank must enter it (it is a collective)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
+    """Under FSDP, gather the whole model on rank 0 for a plain forward (a collective: every rank enters)."""
     if isinstance(trainer.strategy, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -187,34 +144,32 @@ def _full_weights(trainer: L.Trainer) -> AbstractContextManager:
     return nullcontext()
 
 
-# ---- the callbacks ---------------------------------------------------------------------------------
+@contextmanager
+def _evaluating(trainer: L.Trainer, module: torch.nn.Module) -> Iterator[None]:
+    """`module` in eval mode under the run's precision, put back as it was."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            yield
+    finally:
+        module.train(was_training)
 
 
 class ValidationFigures(Callback):
-    """Logs validation figures: predictions and last-layer attention on a fixed set of images after
-    every `every_n_epochs`-th validation, and the confusion matrix over the whole validation set at
-    the end of fit (and of `validate`).
+    """Predictions and last-layer attention on fixed images after every `every_n_epochs`-th validation,
+    drawn from the weights validated (EMA's under EMA); the confusion matrix at the end of fit/validate.
 
-    The images are taken once, during the first validation (rank 0's share, in its order), and
-    reused so that epochs compare. They are spread over the classes: the first image of each class,
-    then the next of each, up to `num_images` (a class-sorted folder would otherwise show one class
-    only); with more classes than images, one image each of the first `num_images` classes seen.
-    The figures are drawn from the weights that were validated: the averaged ones under EMA.
-
-    The confusion matrix reads the logits the module's `validation_step` returns (a tensor, or a
-    mapping with "logits"); a module that returns nothing costs a second forward pass per validation
-    batch. It is skipped above `max_classes` classes (a 21k x 21k matrix is gigabytes per rank and
-    unreadable).
+    The images, taken in the first validation (rank 0's share), are spread over the classes: the first
+    of each class, then the next of each (a class-sorted folder would otherwise show one class). The
+    confusion matrix reads the logits `validation_step` returns (else a second forward) and is skipped
+    above `max_classes` classes (a 21k x 21k matrix is gigabytes per rank).
     """
 
     def __init__(
-        self,
-        num_images: int = 16,
-        every_n_epochs: int = 1,
-        confusion_matrix: bool = True,
-        max_classes: int = 100,
+        self, num_images: int = 16, every_n_epochs: int = 1, confusion_matrix: bool = True, max_classes: int = 100,
         save_png: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if num_images < 0:
             raise ValueError(f"num_images must be >= 0, got {num_images}")
         if every_n_epochs < 1:
@@ -226,15 +181,12 @@ class ValidationFigures(Callback):
         self.save_png = save_png
         self.confmat: MulticlassConfusionMatrix | None = None
         self._by_class: dict[int, list[torch.Tensor]] = {}  # candidates, in the order they arrived
-        self._classes = 1  # how many classes the grid shows, and images of each
-        self._per_class = 1
+        self._classes = self._per_class = 1  # how many classes the grid shows, and images of each
         self._images: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
         self._frozen = False
         self._confmat_updates = 0
         self._warned_fsdp = False
-
-    # -- state --
 
     @property
     def images(self) -> torch.Tensor | None:
@@ -250,8 +202,6 @@ class ValidationFigures(Callback):
             self.confmat = MulticlassConfusionMatrix(nc)
         elif self.confusion_matrix and nc > self.max_classes:
             log.info("ValidationFigures: %d classes > max_classes=%d, no confusion matrix", nc, self.max_classes)
-        if self.confmat is not None:
-            self.confmat = self.confmat.to(pl_module.device)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._frozen:  # the order is fixed, so restarting the capture yields the same images
@@ -262,14 +212,9 @@ class ValidationFigures(Callback):
             self._confmat_updates = 0
 
     def on_validation_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         x, y = split_batch(batch)
         y = y.argmax(dim=1) if y.ndim == 2 else y
         if trainer.is_global_zero and not self._frozen and self.num_images and not trainer.sanity_checking:
@@ -282,8 +227,7 @@ class ValidationFigures(Callback):
             self._confmat_updates += 1
 
     def _collect(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Keep up to `_per_class` images of each of the first `num_images` classes seen; freeze once
-        every slot is filled (otherwise at the end of this validation)."""
+        """Keep up to `_per_class` images of each of the first `_classes` classes seen; freeze when full."""
         for img, label in zip(x, y.tolist()):
             if label not in self._by_class and len(self._by_class) >= self._classes:
                 continue
@@ -296,13 +240,8 @@ class ValidationFigures(Callback):
 
     def _freeze(self) -> None:
         """Round-robin over the classes in the order they were seen: the first of each, then the next."""
-        picks = [
-            (img, label)
-            for rank in range(self._per_class)
-            for label, kept in self._by_class.items()
-            if rank < len(kept)
-            for img in [kept[rank]]
-        ][: self.num_images]
+        picks = [(kept[rank], label) for rank in range(self._per_class) for label, kept in self._by_class.items()
+                 if rank < len(kept)][: self.num_images]  # fmt: skip
         if picks:
             self._images = [torch.stack([img for img, _ in picks])]
             self._targets = [torch.tensor([label for _, label in picks])]
@@ -314,8 +253,6 @@ class ValidationFigures(Callback):
             outputs = outputs.get("logits")
         if isinstance(outputs, torch.Tensor) and outputs.ndim == 2 and outputs.shape[0] == x.shape[0]:
             return outputs.detach()
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if isinstance(trainer.strategy, FSDPStrategy):
             # A direct forward would skip FSDP's unsharding; the module must return its logits.
             if not self._warned_fsdp:
@@ -325,70 +262,54 @@ class ValidationFigures(Callback):
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             return pl_module(x).detach()
 
-    # -- per-epoch figures --
-
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.num_images:
             return
         if not self._frozen and trainer.is_global_zero:
             self._freeze()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and (trainer.current_epoch + 1) % self.every_n_epochs:
+        off_epoch = trainer.state.fn == TrainerFn.FITTING and (trainer.current_epoch + 1) % self.every_n_epochs
+        if off_epoch or not (self.save_png or trainer.loggers):  # the same on every rank: FSDP ranks stay in step
             return
-        if not self._wants_images(trainer):
-            return
-        with _full_weights(trainer):  # all ranks enter; only rank 0 draws
+        with _full_weights(trainer):
             if trainer.is_global_zero and self._images:
                 self._draw_samples(trainer, pl_module)
 
-    def _wants_images(self, trainer: L.Trainer) -> bool:
-        # Decided the same on every rank (loggers exist only on rank 0), so FSDP ranks stay in step.
-        return self.save_png or bool(trainer.loggers)
-
     def _validated(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
-        """The module holding the weights validation just used. A weight-averaging callback (EMA)
-        swaps its averaged weights in for validation and back at the validation epoch's end: when
-        its hook ran before this one, they sit in its averaged copy of the module."""
-        position = trainer.callbacks.index(self)
-        for cb in trainer.callbacks[:position]:
+        """The module holding the weights validation used: a weight-averaging callback (EMA) whose hook
+        ran before this one has already swapped them back into its averaged copy."""
+        for cb in trainer.callbacks[: trainer.callbacks.index(self)]:
             if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None:
                 return cb._average_model.module
         return pl_module
 
-    @torch.no_grad()
     def _draw_samples(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = _vit(self._validated(trainer, pl_module))
-        x = self.images
-        y = torch.cat(self._targets)[: len(x)]
         param = next(model.parameters())
-        x = x.to(param.device, dtype=param.dtype if param.is_floating_point() else None)
-        was_training = model.training
-        model.eval()
-        try:
-            with trainer.precision_plugin.forward_context():
-                if hasattr(model, "forward_attention"):
-                    logits, heat = last_layer_attention(model, x)
-                else:
-                    logits, heat = model(x).float(), None
-        finally:
-            model.train(was_training)
+        x = self.images.to(param.device, dtype=param.dtype if param.is_floating_point() else None)
+        y = torch.cat(self._targets)[: len(x)]
+        with _evaluating(trainer, model):
+            if hasattr(model, "forward_attention"):
+                logits, heat = last_layer_attention(model, x)
+            else:
+                logits, heat = model(x).float(), None
         preds = logits.argmax(dim=-1).cpu().tolist()
         names = class_names(model, logits.shape[-1])
         dc = getattr(model, "data_config", None) or {}
         rgb = _rgb(denormalize(x, dc.get("mean"), dc.get("std")))
-        step = trainer.global_step
-        figs = {PREDICTIONS_TAG: plot_prediction_grid(rgb, y.tolist(), preds, names)}
+        self._emit(trainer, "val/predictions", plot_prediction_grid(rgb, y.tolist(), preds, names))
         if heat is not None:
-            figs[ATTENTION_TAG] = plot_attention_grid(rgb, heat, preds, names)
-        for tag, fig in figs.items():
-            self._emit(trainer, tag, fig, step)
+            self._emit(trainer, "val/attention", plot_attention_grid(rgb, heat, preds, names))
 
-    def _emit(self, trainer: L.Trainer, tag: str, fig: Any, step: int) -> None:
-        log_image(trainer, tag, figure_to_array(fig), step)
+    def _emit(self, trainer: L.Trainer, tag: str, fig: Any) -> None:
+        fig.canvas.draw()
+        image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image(tag, image, global_step=trainer.global_step, dataformats="HWC")
+            elif callable(getattr(logger, "log_image", None)):
+                logger.log_image(key=tag, images=[image], step=trainer.global_step)
         if self.save_png:
             save_figure(fig, Path(trainer.default_root_dir) / "figures" / f"{tag.split('/')[-1]}.png")
-
-    # -- confusion matrix --
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._log_confusion_matrix(trainer, pl_module)
@@ -400,64 +321,35 @@ class ValidationFigures(Callback):
     def _log_confusion_matrix(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.confmat is None:
             return
-        # Every rank calls compute(): torchmetrics sums the per-rank matrices with a collective.
-        # Whether any rank saw data is itself agreed on, so ranks never disagree about entering it.
-        seen = trainer.strategy.reduce_boolean_decision(self._confmat_updates > 0, all=False)
-        if not seen:
+        # compute() is a collective: the ranks first agree whether any saw data, so all enter it or none.
+        if not trainer.strategy.reduce_boolean_decision(self._confmat_updates > 0, all=False):
             return
         matrix = self.confmat.compute().cpu()
         if trainer.is_global_zero:
-            model = _vit(pl_module)
-            fig = plot_confusion_matrix(matrix, class_names(model, matrix.shape[0]))
-            self._emit(trainer, CONFUSION_TAG, fig, trainer.global_step)
+            names = class_names(_vit(pl_module), matrix.shape[0])
+            self._emit(trainer, "val/confusion_matrix", plot_confusion_matrix(matrix, names))
 
 
 class FinetuneSource(Callback):
-    """Records where a fine-tune run (`model.init_from`) started: the source, the position-embedding
-    grid before and after resampling, and the class count before and after the head reset.
-
-    Hyperparameters for loggers that merge them (CSV's hparams.yaml, wandb's config) and a text
-    entry for TensorBoard (its hparams table is written once by Lightning, before this runs).
-    Reads the `init_summary` the training module records when it initialises from a checkpoint.
-    """
+    """Records where a fine-tune run started (the module's `init_summary`: source, position-embedding
+    grid and class count before and after): as hyperparameters (CSV's hparams.yaml, wandb's config) and
+    as TensorBoard text (Lightning wrote its hparams table before this runs)."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero:
+        summary = getattr(pl_module, "init_summary", None)
+        if not trainer.is_global_zero or not isinstance(summary, Mapping) or not summary:
             return
-        summary = finetune_summary(pl_module)
-        if summary is None:
-            return
-        params = {f"finetune/{k}": v for k, v in summary.items()}
+        summary = {str(k): str(v) for k, v in summary.items()}
         text = "  \n".join(f"**{k}**: `{v}`" for k, v in summary.items())
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("finetune/source", text, global_step=trainer.global_step)
             else:
-                _log_params(logger, params)
-
-
-def _log_params(logger: Logger, params: dict[str, Any]) -> None:
-    logger.log_hyperparams(params)
-    save = getattr(logger, "save", None)
-    if callable(save):  # CSV writes hparams.yaml on save
-        save()
-
-
-def finetune_summary(pl_module: L.LightningModule) -> dict[str, str] | None:
-    """`{init_from, pos_embed_grid, num_classes}` as display strings, None for a run from scratch."""
-    own = getattr(pl_module, "init_summary", None)
-    return {str(k): str(v) for k, v in own.items()} if isinstance(own, Mapping) and own else None
-
-
-# ---- masked patch prediction's figure -------------------------------------------------------------------
-
-MPP_FIGURE_TAG = "val/masked_patches"
-_MASK_GREY = 0.5  # how a [mask]-replaced patch is drawn
+                logger.log_hyperparams({f"finetune/{k}": v for k, v in summary.items()})
+                logger.save()  # CSV writes hparams.yaml on save
 
 
 def _outline(ax: Any, cells: np.ndarray, grid: tuple[int, int], patch: int, color: str) -> None:
-    from matplotlib.patches import Rectangle
-
     for n in np.flatnonzero(cells):
         r, col = divmod(int(n), grid[1])
         ax.add_patch(Rectangle((col * patch - 0.5, r * patch - 0.5), patch, patch, fill=False, lw=0.8, ec=color))
@@ -471,7 +363,7 @@ def plot_masked_patches(
     kept or replaced by another patch) and the images with the corrupted patches predicted."""
     n = len(images)
     fig = new_figure((1.25 * n + 0.2, 4.3), dpi=100)
-    axes = np.atleast_2d(fig.subplots(3, n, squeeze=False))
+    axes = fig.subplots(3, n, squeeze=False)
     rows = [(images, "images"), (corrupted, "corrupted patches"), (predicted, predicted_title)]
     for r, (row, title) in enumerate(rows):
         for i in range(n):
@@ -488,34 +380,27 @@ def plot_masked_patches(
 
 
 class MaskedPatchFigures(ValidationFigures):
-    """At each validation, fixed validation images beside their corrupted patches and the predicted
-    mean colours (or pixels) filled into them (`val/masked_patches`, and figures/masked_patches.png).
-    Same capture, cadence and loggers as `ValidationFigures`; no confusion matrix (there are no classes)."""
+    """Fixed validation images beside their corrupted patches and the predictions filled into them
+    (`val/masked_patches`); capture, cadence and loggers as `ValidationFigures`, no confusion matrix."""
 
     def __init__(self, num_images: int = 8, every_n_epochs: int = 1, save_png: bool = True) -> None:
         super().__init__(num_images, every_n_epochs, confusion_matrix=False, save_png=save_png)
 
-    @torch.no_grad()
     def _draw_samples(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, MaskedPatchPretraining):
             raise TypeError(f"MaskedPatchFigures needs a MaskedPatchPretraining module, got {type(pl_module).__name__}")
         param = next(pl_module.parameters())
         x = self.images.to(param.device, dtype=param.dtype)
         generator = torch.Generator(device=x.device).manual_seed(0)  # the same corruption every time
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with trainer.precision_plugin.forward_context():
-                out, c = pl_module(x, generator)
-        finally:
-            pl_module.train(was_training)
+        with _evaluating(trainer, pl_module):
+            out, c = pl_module(x, generator)
         p, grid = pl_module.patch_size, pl_module.model.patch_embed.grid_size
         pixels = pl_module._unnormalize(x)
         patches = patchify(pixels, p)
         chosen = (c.kind != CLEAN)[..., None]
         # Corrupted view: what each position holds now ([mask] drawn grey, another patch's pixels).
         held = patches.flatten(0, 1)[c.source.flatten()].view_as(patches)
-        held = torch.where((c.kind == MASKED)[..., None], torch.full_like(held, _MASK_GREY), held)
+        held = torch.where((c.kind == MASKED)[..., None], torch.full_like(held, 0.5), held)
         if pl_module.hparams.target == "color":
             colors = color_of_ids(out.argmax(dim=-1), pl_module.hparams.color_bits)  # [B, N, 3]
             guess = colors.repeat(1, 1, p * p)  # (p1 p2 c) order: the colour repeated per pixel
@@ -526,4 +411,4 @@ class MaskedPatchFigures(ValidationFigures):
         filled = torch.where(chosen, guess, patches)
         rgb = [_rgb(unpatchify(t, p, grid)) for t in (patches, held, filled)]
         fig = plot_masked_patches(*rgb, c.kind.cpu().numpy(), grid, p, title)
-        self._emit(trainer, MPP_FIGURE_TAG, fig, trainer.global_step)
+        self._emit(trainer, "val/masked_patches", fig)

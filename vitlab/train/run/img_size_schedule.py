@@ -1,14 +1,9 @@
 """Progressive resizing: train at the sizes `data.img_size_schedule` lists, validate at the full size.
 
-The size of an epoch is derived from `trainer.current_epoch` alone, so every DDP rank switches at the
-same step and a resumed run (Lightning restores the epoch) continues the schedule where it was. The
-data module crops train images to it (set as each epoch's loader starts; DataLoader workers read it
-from shared memory; the in-memory path at each batch), and this callback has the model take it
-through `use_input_size`: its position embeddings stay at the full grid and each smaller forward
-resamples them from it. Validation runs at the full size.
-
-Under `compile`, each new size costs one recompilation (the input shape and the model's input size
-change; torch may then mark the size dimension dynamic and stop recompiling).
+An epoch's size follows from `trainer.current_epoch` alone, so DDP ranks switch together and a resumed run
+continues the schedule. The data module crops train images to it; this callback has the model take it
+through `use_input_size` (position embeddings stay at the full grid, resampled per forward). Under
+`compile` each new size costs a recompilation.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ class ImgSizeSchedule(Callback):
         self._size: int | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        data = getattr(trainer, "datamodule", None)
-        schedule = getattr(data, "img_size_schedule", None)
+        schedule = getattr(trainer.datamodule, "img_size_schedule", None)
         self.active = bool(schedule) and stage == "fit"
         if not self.active:
             return
@@ -66,11 +60,9 @@ class ImgSizeSchedule(Callback):
         if self.active:
             pl_module.model.use_input_size(None)
 
+    on_fit_end = on_validation_start
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Validation inside an epoch (val_check_interval) hands back to training at the epoch's size.
         if self.active and not trainer.sanity_checking:
             self._apply(trainer, pl_module)
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.active:
-            pl_module.model.use_input_size(None)
