@@ -15,7 +15,6 @@ from lightning.pytorch import Trainer
 from vitlab.data.shards import SHARD_SUFFIXES, read_classes_txt
 from vitlab.errors import UserError
 from vitlab.models import VisionTransformer
-from vitlab.train import ViTClassifier
 
 DEFAULT_MODEL = "vitlab.train.ViTClassifier"  # the LightningModule of a `model:` section without a class_path
 # The top-level keys of a `fit` config (the subcommand parser's own list is used where it is at hand).
@@ -130,7 +129,7 @@ def check_recipe(path: str, top_keys: list[str] | None = None) -> None:
         model_cls = import_class(model["class_path"], f"{path}: model.class_path")
         where, model = f"{path}: model.init_args", model.get("init_args") or {}
     else:
-        model_cls, where = ViTClassifier, f"{path}: model"
+        model_cls, where = import_class(DEFAULT_MODEL, "model"), f"{path}: model"
     params = init_params(model_cls)
     _reject_unknown(where, model, params)
     if "model_args" in params:  # the encoder's constructor arguments, as ViTClassifier takes them
