@@ -11,6 +11,9 @@ Imagenette's train split:
     (--mpp) MPP pretraining      recipes/pretrain/tinyimagenet_mpp_cpu.yaml (labels unused), then the 64px fine-tune
     (--progressive) progressive  the pretraining recipe with data.img_size_schedule 16 -> 24 -> 32 px for
                                  PROGRESSIVE_EPOCHS (about the fixed 32px recipe's time), then the 64px fine-tune
+    (--patch) patch size         the pretraining recipe with a patch stem (patch 4 at 32px: 64 tokens), then
+                                 the 64px fine-tune twice: patch 4 -> 8, kernel PI-resized (64 tokens, the
+                                 pretraining's count), and patch 4 kept (256 tokens): accuracy against minutes
 
 Budgets are contracts in epochs (machines differ 2x in speed and are shared): the recipes' own,
 and FINETUNE_32_EPOCHS for the 32px fine-tune. Where two rows must have the same wall-clock, a
@@ -24,6 +27,8 @@ printed beside the contract. Minutes are measured and printed with the load aver
     python bench/bench_transfer.py --quick         # smoke run: a few steps each
     python bench/bench_transfer.py --mpp           # also masked patch prediction pretraining, same budgets
     python bench/bench_transfer.py --progressive   # also progressive-resize pretraining (+~25 min)
+    python bench/bench_transfer.py --patch         # also the patch-size pair (+~2 h)
+    python bench/bench_transfer.py --no-scratch --progressive   # without the two from-scratch rows
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ FINETUNE_32_EPOCHS = 22
 # at 32 px (2 cores; the calibration prints the cost on this machine), so it never gets more time.
 PROGRESSIVE_SCHEDULE = [[0, 16], [4, 24], [8, 32]]
 PROGRESSIVE_EPOCHS = 12
+# The patch-size pair: a patch-stem model (no conv stem, whose stride is not a kernel to resize).
+PATCH_STEM = ["--model.model_args.stem=patch", "--model.model_args.patch_size=4"]
 
 
 @dataclass
@@ -132,18 +139,23 @@ def gains(rows: dict[str, Row]) -> list[str]:
         x, y = rows[a].val_acc1, rows[b].val_acc1
         return "-" if x is None or y is None else f"{100 * (x - y):+.1f} points"
 
-    out = [
-        f"transfer@64 vs scratch (fine-tune budget): {diff('transfer@64px', 'scratch, fine-tune budget')} (target >= +10)",
-        f"transfer@64 vs scratch (whole budget):     {diff('transfer@64px', 'scratch, whole budget')} (target >= 0)",
-        f"transfer@64 vs transfer@32 (same budget):  {diff('transfer@64px', 'transfer@32px')} (target >= +2)",
-    ]
+    out = [f"transfer@64 vs transfer@32 (same budget):  {diff('transfer@64px', 'transfer@32px')} (target >= +2)"]
+    if "scratch, whole budget" in rows:
+        out += [
+            f"transfer@64 vs scratch (fine-tune budget): {diff('transfer@64px', 'scratch, fine-tune budget')} (target >= +10)",
+            f"transfer@64 vs scratch (whole budget):     {diff('transfer@64px', 'scratch, whole budget')} (target >= 0)",
+        ]
     if "progressive transfer@64px" in rows:
         out.append(f"progressive vs fixed 32px pretraining:      {diff('progressive transfer@64px', 'transfer@64px')}")
+    if "patch 4 transfer@64px" in rows:
+        a, b = rows["patch 4->8 transfer@64px"], rows["patch 4 transfer@64px"]
+        out.append(f"patch 4->8 (64 tokens) vs patch 4 (256 tokens): {diff(a.name, b.name)}, "
+                   f"{a.minutes:.1f} vs {b.minutes:.1f} min ({b.minutes / max(a.minutes, 1e-9):.1f}x)")
     if "MPP transfer@64px" in rows:
-        out += [
-            f"MPP transfer vs scratch (fine-tune budget): {diff('MPP transfer@64px', 'scratch, fine-tune budget')} (target >= +3)",
-            f"MPP transfer vs supervised transfer:        {diff('MPP transfer@64px', 'transfer@64px')}",
-        ]
+        out.append(f"MPP transfer vs supervised transfer:        {diff('MPP transfer@64px', 'transfer@64px')}")
+    if "MPP transfer@64px" in rows and "scratch, fine-tune budget" in rows:
+        out.append(f"MPP transfer vs scratch (fine-tune budget): {diff('MPP transfer@64px', 'scratch, fine-tune budget')} "
+                   "(target >= +3)")
     return out
 
 
@@ -157,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mpp", action="store_true", help="also masked patch prediction pretraining + the same fine-tune")
     p.add_argument("--progressive", action="store_true",
                    help="also progressive-resize pretraining (16 -> 24 -> 32 px) + the same fine-tune")
+    p.add_argument("--patch", action="store_true",
+                   help="also a patch-4 pretraining and its 64px fine-tune at patch 8 (PI-resized) and at patch 4")
+    p.add_argument("--no-scratch", action="store_true", help="leave out the two from-scratch rows")
     p.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = p.parse_args(argv)
     for d in (args.pretrain_data, args.finetune_data):
@@ -193,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         e_pre = e_ft = e_whole = e_32 = 1
     pre_ckpt, mpp_ckpt = (args.out / name / "checkpoints/last.ckpt" for name in ("pretrain", "pretrain-mpp"))
-    plan = [  # (row, run folder, recipe, data, epochs, train images, extra flags)
+    scratch = [] if args.no_scratch else [
         ("scratch, fine-tune budget", "scratch-short", SCRATCH, ft_data, e_ft, n_ft, []),
         ("scratch, whole budget", "scratch-long", SCRATCH, ft_data, e_whole, n_ft, []),
+    ]  # fmt: skip
+    plan = [  # (row, run folder, recipe, data, epochs, train images, extra flags)
+        *scratch,
         ("pretrain (Tiny-ImageNet)", "pretrain", PRETRAIN, pre_data, e_pre, n_pre, []),
         ("transfer@32px", "finetune-32px", FINETUNE, ft_data, e_32, n_ft,
          ["--data.img_size=32", f"--model.init_from={pre_ckpt}"]),
@@ -209,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             ("pretrain progressive 16->32", "pretrain-progressive", PRETRAIN, pre_data, e_prog, n_pre, [schedule]),
             ("progressive transfer@64px", "finetune-progressive-64px", FINETUNE, ft_data, e_ft, n_ft,
              [f"--model.init_from={prog_ckpt}"]),
+        ]  # fmt: skip
+    if args.patch:
+        patch_ckpt = args.out / "pretrain-patch4/checkpoints/last.ckpt"
+        ft_patch = [f"--model.init_from={patch_ckpt}", PATCH_STEM[0]]
+        plan += [
+            ("pretrain patch 4 (64 tokens)", "pretrain-patch4", PRETRAIN, pre_data, e_pre, n_pre, PATCH_STEM),
+            ("patch 4->8 transfer@64px", "finetune-patch8-64px", FINETUNE, ft_data, e_ft, n_ft,
+             [*ft_patch, "--model.model_args.patch_size=8"]),
+            ("patch 4 transfer@64px", "finetune-patch4-64px", FINETUNE, ft_data, e_ft, n_ft,
+             [*ft_patch, "--model.model_args.patch_size=4"]),
         ]  # fmt: skip
     if args.mpp:
         e_mpp = 1 if args.quick else recipe(MPP)["trainer"]["max_epochs"]
