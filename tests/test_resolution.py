@@ -368,3 +368,19 @@ def test_finetune_report_draws_the_source_and_the_fine_tuned_model_around_both_s
     assert all(r["acc1"] is not None and r["images"] == len(CLASSES) * N_VAL for r in rows)
     assert {(r["label"], r["trained_img_size"]) for r in rows} == {("pretrained source", 32), ("fine-tuned", 48)}
     assert set((run / "tensorboard").glob("events.*")) - events_before  # the figure went to TensorBoard
+
+
+def test_the_data_of_a_progressive_resize_run_is_rebuilt_at_any_test_size(tmp_path: Path) -> None:
+    """A source pretrained with `img_size_schedule` (ending at 32) records it; scoring it at 24 must not
+    reject the schedule for ending above the test size."""
+    from helpers import image_tree
+
+    from vitlab.analysis.resolution import datamodule_for
+
+    data = image_tree(tmp_path / "data", CLASSES, 2, 2)
+    recorded = {"datamodule_hyper_parameters": {
+        "_class_path": "vitlab.data.ImageFolderDataModule", "root": str(data), "img_size": 32, "batch_size": 4,
+        "num_workers": 0, "img_size_schedule": [[0, 16], [1, 32]]}}  # fmt: skip
+    model = VisionTransformer(img_size=24, patch_size=4, **{**TINY, "num_classes": 3})
+    dm = datamodule_for(model, recorded, None, 24)
+    assert dm.img_size == 24 and not dm.img_size_schedule

@@ -102,6 +102,8 @@ def datamodule_for(
     if class_path is None:
         raise ValueError("the checkpoint records no data module (it was not trained by `vitlab fit`); pass --data DATA")
     cls = import_class(class_path, "data")
+    # A progressive-resize run records its schedule; it ends at the training size, not the test size.
+    args.pop("img_size_schedule", None)
     args["img_size"] = img_size
     if "in_memory" in init_params(cls):
         # Streaming validation gives the in-memory path's batches (vitlab.data.memory), without decoding
