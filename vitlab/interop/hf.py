@@ -18,26 +18,18 @@ from typing import Any
 
 import torch
 
-from vitlab.constants import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    IMAGENET_INCEPTION_MEAN,
-    IMAGENET_INCEPTION_STD,
-)
+from vitlab.constants import IMAGENET_NORM, INCEPTION_NORM
 from vitlab.interop.architecture import Converted, Source
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "hf"
 # ViTImageProcessor: mean/std 0.5, bilinear resize straight to the input size (no crop).
 DATA_CONFIG: dict[str, Any] = {
-    "mean": list(IMAGENET_INCEPTION_MEAN), "std": list(IMAGENET_INCEPTION_STD),
-    "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None,
+    **INCEPTION_NORM, "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None
 }  # fmt: skip
 # DeiTImageProcessor: resize 256, centre crop 224, bicubic, ImageNet mean/std.
 DEIT_DATA_CONFIG: dict[str, Any] = {
-    "mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD),
-    "interpolation": "bicubic", "crop_pct": 0.875,
-    "class_names": None,
+    **IMAGENET_NORM, "interpolation": "bicubic", "crop_pct": 0.875, "class_names": None
 }  # fmt: skip
 # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners False, no antialias.
 RESAMPLE: dict[str, Any] = {"mode": "bicubic", "antialias": False, "align_corners": False}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from vitlab.constants import INCEPTION_NORM
 from vitlab.interop.architecture import Converted, Source
 from vitlab.models.resize import to_2tuple
 
@@ -29,8 +29,7 @@ FORMAT_GOOGLE = "npz (vision_transformer)"
 FORMAT_BIG_VISION = "npz (big_vision)"
 PREFIXES = ("opt/target/", "params/img/", "params/", "")
 DATA_CONFIG: dict[str, Any] = {
-    "mean": list(IMAGENET_INCEPTION_MEAN), "std": list(IMAGENET_INCEPTION_STD),
-    "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None,
+    **INCEPTION_NORM, "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None
 }  # fmt: skip
 # timm's `_load_weights` for these files: bilinear, no antialias.
 RESAMPLE: dict[str, Any] = {"mode": "bilinear", "antialias": False, "align_corners": False}

@@ -14,12 +14,7 @@ from typing import Any
 
 import torch
 
-from vitlab.constants import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    IMAGENET_INCEPTION_MEAN,
-    IMAGENET_INCEPTION_STD,
-)
+from vitlab.constants import IMAGENET_NORM, INCEPTION_NORM
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, Source, strip_prefix
 from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
@@ -28,11 +23,8 @@ FORMAT = "timm"
 
 # timm's augreg ViT weights: Inception mean/std, bicubic resize, crop 0.9.
 DATA_CONFIG: dict[str, Any] = {
-    "mean": list(IMAGENET_INCEPTION_MEAN), "std": list(IMAGENET_INCEPTION_STD),
-    "interpolation": "bicubic", "crop_pct": 0.9, "class_names": None,
+    **INCEPTION_NORM, "interpolation": "bicubic", "crop_pct": 0.9, "class_names": None
 }  # fmt: skip
-# timm's DeiT weights (those with a distillation token): ImageNet mean/std.
-DEIT_DATA: dict[str, Any] = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
 
 
 def looks_like(keys: list[str]) -> bool:
@@ -91,7 +83,7 @@ def convert(
     names = strip_prefix(tensors)
     src = Source(tensors, format, path)
     stated, data = _sidecar_data(sidecar) if format == FORMAT else ({}, {})
-    defaults = {**DATA_CONFIG, **(DEIT_DATA if "dist_token" in names else {})}
+    defaults = {**DATA_CONFIG, **(IMAGENET_NORM if "dist_token" in names else {})}  # timm's DeiT weights
     conv = Converted(format, {}, path, config=stated, data_config={**defaults, **data}, resample=dict(TIMM_RESAMPLE))
     for new, old in names.items():
         t = src.take(old)

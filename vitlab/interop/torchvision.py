@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from vitlab.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from vitlab.constants import IMAGENET_NORM
 from vitlab.interop.architecture import Converted, Source
 
 FORMAT = "torchvision"
 # ViT_*_Weights.IMAGENET1K_V1: bilinear resize 256, centre crop 224.
 DATA_CONFIG: dict[str, Any] = {
-    "mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD),
-    "interpolation": "bilinear", "crop_pct": 224 / 256, "class_names": None,
+    **IMAGENET_NORM, "interpolation": "bilinear", "crop_pct": 224 / 256, "class_names": None
 }  # fmt: skip
 # The SWAG end-to-end weights (384/512/518 px): bicubic resize straight to the input size.
 DATA_CONFIG_SWAG: dict[str, Any] = {**DATA_CONFIG, "interpolation": "bicubic", "crop_pct": 1.0}
