@@ -8,7 +8,7 @@ exporter writes the graph through them.
 from __future__ import annotations
 
 import copy
-import importlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,7 @@ _NEEDS = ("onnx", "onnxscript")
 
 
 def _check_installed() -> None:
-    missing = []
-    for name in _NEEDS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
+    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
     if missing:
         raise ExportError(
             f"ONNX export needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
