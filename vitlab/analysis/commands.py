@@ -118,8 +118,7 @@ def explain(
     heat = rollout_for_model(model, x, attn, image_size=tuple(x.shape[-2:]), discard_ratio=discard_ratio)[0]
     path = Path(out) if out else Path.cwd() / f"{Path(image).stem}_explain.png"
     rgb = denormalize(x[0], model.data_config.get("mean"), model.data_config.get("std")).clamp(0, 1)  # what it saw
-    fig = plot_rollout(rgb.cpu(), heat.cpu(), preds, path=path, title=Path(image).name)
-    fig.clear()
+    plot_rollout(rgb.cpu(), heat.cpu(), preds, path=path, title=Path(image).name).clear()
     return path
 
 
@@ -184,6 +183,10 @@ def inspect(
     prefix = model.num_prefix_tokens
     written: list[Path] = []
 
+    def write(plot: Any, data: Any, name: str, **kwargs: Any) -> None:
+        plot(data, path=out / name, **kwargs).clear()
+        written.append(out / name)
+
     if images:
         source = f"on {len(images)} image{'s' if len(images) != 1 else ''}"
         chunks = [preprocess(model, images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
@@ -195,25 +198,17 @@ def inspect(
         _, attn = model.forward_attention(x.to(device))
         d = mean_attention_distance(attn.cpu(), grid, p, prefix) * x.shape[0]
         total, count = (d if total is None else total + d), count + x.shape[0]
-    fig = plot_attention_distance(
-        total / count, path=out / "attention_distance.png", title=f"Mean attention distance ({source})"
-    )
-    fig.clear()
-    written.append(out / "attention_distance.png")
+    write(plot_attention_distance, total / count, "attention_distance.png",
+          title=f"Mean attention distance ({source})")
 
     kind = "fixed sin-cos" if model.config.get("pos_embed") == "sincos" else "learned"
     sim = pos_embed_similarity(model.pos_embed.cpu(), grid, prefix)
-    fig = plot_pos_embed_similarity(
-        sim, path=out / "pos_embed_similarity.png", title=f"Position embedding similarity ({kind}, {grid[0]}x{grid[1]})"
-    )
-    fig.clear()
-    written.append(out / "pos_embed_similarity.png")
+    title = f"Position embedding similarity ({kind}, {grid[0]}x{grid[1]})"
+    write(plot_pos_embed_similarity, sim, "pos_embed_similarity.png", title=title)
 
     if model.patch_embed.stem == "patch":
         comps = patch_embedding_components(model.patch_embed.proj.weight.cpu(), k=28)
-        fig = plot_patch_components(comps, path=out / "patch_embedding_filters.png")
-        fig.clear()
-        written.append(out / "patch_embedding_filters.png")
+        write(plot_patch_components, comps, "patch_embedding_filters.png")
     else:
         warnings.warn(
             f"stem {model.patch_embed.stem!r} has no linear patch filters; patch_embedding_filters.png not written",

@@ -37,6 +37,15 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     return path
 
 
+def _finish(fig: Figure, path: str | Path | None, ax: Any = None, title: str | None = None) -> Figure:
+    """Every plot's ending: the axes' title, wrapped to the figure's width; saved where a path is given."""
+    if title:
+        ax.set_title(_wrap(title, 8.5 * fig.get_figwidth()), fontsize=9)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
 def image_to_array(image: Any) -> np.ndarray:
     """PIL image, `[H, W, C]` array or `[C, H, W]` tensor -> float RGB array `[H, W, 3]` in [0, 1].
 
@@ -115,9 +124,7 @@ def plot_rollout(
     if title:
         fig.suptitle(_wrap(title, 90), fontsize=10)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.04, top=0.86 if title else 0.9, wspace=0.08)
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_attention_distance(
@@ -150,11 +157,7 @@ def plot_attention_distance(
     ax.grid(alpha=0.3)
     if heads <= 16:
         ax.legend(fontsize=6, ncol=2 if heads > 6 else 1, loc="lower right", markerscale=0.8)
-    if title:
-        ax.set_title(_wrap(title, 8.5 * figsize[0]), fontsize=9)
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return _finish(fig, path, ax, title)
 
 
 def _wrap(text: str, width: float) -> str:
@@ -204,11 +207,7 @@ def plot_pos_embed_similarity(
     ax.set_xlabel("Input patch column")
     ax.set_ylabel("Input patch row")
     fig.colorbar(im, ax=ax, shrink=0.9, label="Cosine similarity")
-    if title:
-        ax.set_title(_wrap(title, 8.5 * figsize[0]), fontsize=9)
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return _finish(fig, path, ax, title)
 
 
 def plot_patch_components(
@@ -246,9 +245,7 @@ def plot_patch_components(
     ax.set_axis_off()
     if title:
         fig.suptitle(_wrap(title, 12 * figsize[0]), fontsize=9, y=1.0 - 0.05 / figsize[1], va="top")
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_resolution(
@@ -283,8 +280,4 @@ def plot_resolution(
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=7, loc="best")
-    if title:
-        ax.set_title(_wrap(title, 8.5 * figsize[0]), fontsize=9)
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return _finish(fig, path, ax, title)
