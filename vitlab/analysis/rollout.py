@@ -19,6 +19,8 @@ from vitlab.models.resize import to_2tuple
 
 HeadFusion = Literal["mean", "max", "min"]
 Normalize = Literal["max", "sum", "none"]
+_FUSE = {"mean": torch.mean, "max": torch.amax, "min": torch.amin}
+_SCALE = {"max": torch.amax, "sum": torch.sum}
 
 
 def _as_attention(attn: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
@@ -58,15 +60,9 @@ def attention_rollout_matrix(
     a, unbatched = _as_attention(attn)
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-    a = a.detach().float()
-    if head_fusion == "mean":
-        a = a.mean(dim=2)
-    elif head_fusion == "max":
-        a = a.amax(dim=2)
-    elif head_fusion == "min":
-        a = a.amin(dim=2)
-    else:
+    if head_fusion not in _FUSE:
         raise ValueError(f"unknown head_fusion {head_fusion!r}; choose 'mean', 'max' or 'min'")
+    a = _FUSE[head_fusion](a.detach().float(), dim=2)
     n = a.shape[-1]
     drop = int(n * discard_ratio)
     if drop:
@@ -142,12 +138,8 @@ def attention_rollout(
 def _normalize(heat: torch.Tensor, how: Normalize) -> torch.Tensor:
     if how == "none":
         return heat
-    flat = heat.flatten(1)
-    if how == "max":
-        scale = flat.amax(dim=1)
-    elif how == "sum":
-        scale = flat.sum(dim=1)
-    else:
+    if how not in _SCALE:
         raise ValueError(f"unknown normalize {how!r}; choose 'max', 'sum' or 'none'")
+    scale = _SCALE[how](heat.flatten(1), dim=1)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero map stays zero
     return heat / scale.view(-1, *([1] * (heat.ndim - 1)))
