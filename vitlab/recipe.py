@@ -23,9 +23,15 @@ TOP_KEYS = ["seed_everything", "trainer", "model", "data", "run_dir", "loggers",
 
 
 def data_args(path: str) -> list[str]:
-    """`--data_path P` -> the DataModule that reads P: shards, an image folder, or a CIFAR name."""
+    """`--data_path P` as the flags LightningCLI takes: `--data=CLASS --data.ARG=VALUE...`."""
+    class_path, args = data_module(path)
+    return [f"--data={class_path}", *(f"--data.{k}={'null' if v is None else v}" for k, v in args.items())]
+
+
+def data_module(path: str) -> tuple[str, dict[str, str | None]]:
+    """The DataModule reading `path` (shards, an image folder, a CIFAR name): its class path and location."""
     if path in ("cifar10", "cifar100"):
-        return ["--data=vitlab.data.CIFARDataModule", f"--data.variant={path}"]
+        return "vitlab.data.CIFARDataModule", {"variant": path}
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"DATA path {path!r} does not exist; {DATA_LAYOUTS}")
@@ -34,7 +40,7 @@ def data_args(path: str) -> list[str]:
     train, val = path, None
     if p.is_dir() and not _has_shards(p):
         if not _has_shards(p / "train"):
-            return ["--data=vitlab.data.ImageFolderDataModule", f"--data.root={path}"]
+            return "vitlab.data.ImageFolderDataModule", {"root": path}
         train, val = p / "train", next((p / d for d in ("val", "validation") if (p / d).is_dir()), None)
         if val is not None:
             if not _has_shards(val):
@@ -43,7 +49,7 @@ def data_args(path: str) -> list[str]:
                 )
             _check_same_classes(train, val)
     # Shards without a val/ folder beside them: a held-out split (--data.val_fraction), whatever the recipe named.
-    return ["--data=vitlab.data.ShardDataModule", f"--data.train_shards={train}", f"--data.val_shards={val or 'null'}"]
+    return "vitlab.data.ShardDataModule", {"train_shards": str(train), "val_shards": str(val) if val else None}
 
 
 DATA_LAYOUTS = (

@@ -33,7 +33,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitlab.analysis.plots import plot_resolution, save_figure
 from vitlab.errors import UserError
 from vitlab.models import VisionTransformer
-from vitlab.recipe import data_args, import_class, init_params
+from vitlab.recipe import data_module, import_class, init_params
 
 # Preprocessing keys a model's data_config shares with the data modules' constructor arguments.
 _PREPROCESSING = ("mean", "std", "interpolation", "crop_pct")
@@ -71,18 +71,6 @@ def _recorded(ckpt: str | Path) -> dict[str, Any]:
     return {k: obj[k] for k in keys if k in obj}
 
 
-def _located(data: str) -> tuple[str, dict[str, Any]]:
-    """`--data_path DATA` as the CLI expands it: the data module's class path and its location arguments."""
-    class_path, args = "", {}
-    for flag in data_args(data):
-        key, _, value = flag.removeprefix("--data").partition("=")
-        if not key:
-            class_path = value
-        else:
-            args[key.removeprefix(".")] = None if value == "null" else value
-    return class_path, args
-
-
 def datamodule_for(
     model: VisionTransformer, recorded: Mapping[str, Any], data: str | None, img_size: int, **overrides: Any
 ) -> L.LightningDataModule:
@@ -94,7 +82,7 @@ def datamodule_for(
     args = {k: v for k, v in model.data_config.items() if k in _PREPROCESSING}
     args.update({k: v for k, v in hp.items() if not k.startswith("_")})
     if data is not None:
-        new_class, location = _located(data)
+        new_class, location = data_module(data)  # as `--data_path DATA` would
         if new_class != class_path:  # another reader: keep the settings it also takes (preprocessing, batch)
             args = {k: v for k, v in args.items() if k in init_params(import_class(new_class, "data"))}
         class_path = new_class
@@ -351,12 +339,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="data as --data_path takes it: once for all checkpoints or once per --ckpt; "
                         "default: the data each checkpoint was trained on")  # fmt: skip
     p.add_argument("--sizes", type=_ints, help="test sizes, e.g. 32,48,64,96,128")
-    p.add_argument(
-        "--patch-sizes",
-        type=_ints,
-        default=None,
-        help="patch sizes to PI-resize the kernel to (stem='patch'); default: the checkpoint's own",
-    )
+    p.add_argument("--patch-sizes", type=_ints, default=None,
+                   help="patch sizes to PI-resize the kernel to (stem='patch'); "
+                        "default: the checkpoint's own")  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default: <run>/resolution beside the first checkpoint)")
     p.add_argument("--run", default=None, help="a fine-tune run folder: score its source and itself around both sizes")
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch (default: the recorded one)")
