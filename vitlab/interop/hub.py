@@ -21,6 +21,7 @@ the training module records it as `init_from`, so a run repeats on the same weig
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import json
@@ -163,22 +164,18 @@ def peek_hub_config(config_json: Path) -> dict[str, Any] | None:
     return None
 
 
-def hub_cache_dir() -> str:
+def _offline() -> bool:
     from huggingface_hub import constants
 
-    return str(constants.HF_HUB_CACHE)
-
-
-def _offline(offline: bool | None = None) -> bool:
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode() if offline is None else offline
+    return constants.is_offline_mode()
 
 
 def _offline_miss(repo: str, label: str) -> SourceError:
+    from huggingface_hub import constants
+
     why = "downloads are off (HF_HUB_OFFLINE=1)" if _offline() else "the Hub cannot be reached"
     return SourceError(
-        f"{label} is not in the Hugging Face cache ({hub_cache_dir()}) and {why}: run `hf download {repo}` "
+        f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: run `hf download {repo}` "
         "(or `huggingface-cli download`) where the Hub is reachable, or give a local path"
     )
 
@@ -227,12 +224,6 @@ def _first_line(exc: BaseException) -> str:
 # ---- URLs ------------------------------------------------------------------------------------------
 
 
-def url_cache_dir() -> Path:
-    import torch
-
-    return Path(torch.hub.get_dir()) / "checkpoints"
-
-
 def display_url(url: str) -> str:
     """The URL without credentials or query (which may hold a signature) for messages."""
     p = urllib.parse.urlsplit(url)
@@ -242,6 +233,8 @@ def display_url(url: str) -> str:
 
 
 def _resolve_url(source: str) -> Resolved:
+    import torch
+
     url, _, fragment = source.partition("#")
     name = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name
     label = display_url(url)
@@ -249,7 +242,7 @@ def _resolve_url(source: str) -> Resolved:
         raise SourceError(f"{label}: not a weights file vitlab reads; the URL must end in {', '.join(URL_SUFFIXES)}")
     expected = _expected_hash(fragment, name, label)
     plain, auth = _split_credentials(url)
-    folder = url_cache_dir() / hashlib.sha256(plain.encode()).hexdigest()[:16]
+    folder = Path(torch.hub.get_dir()) / "checkpoints" / hashlib.sha256(plain.encode()).hexdigest()[:16]
     dst = folder / name
     if dst.is_file():
         digest = _digest_of(dst)
@@ -293,12 +286,10 @@ def _digest_of(path: Path) -> str:
     memo = path.with_name(path.name + ".sha256")
     if memo.is_file() and memo.stat().st_mtime >= path.stat().st_mtime:
         return memo.read_text().strip()
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    _write_atomic(memo, h.hexdigest())
-    return h.hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    _write_atomic(memo, digest)
+    return digest
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -353,8 +344,6 @@ def _download(url: str, auth: str | None, dst: Path, expected: str | None, label
 def _remove_stale_parts(dst: Path) -> None:
     """Temporary files a killed download left (a live download writes to its own every few ms)."""
     for part in dst.parent.glob(f"{dst.name}.*.part"):
-        try:
+        with contextlib.suppress(OSError):  # another process removed or renamed it meanwhile
             if time.time() - part.stat().st_mtime > _STALE_PART_S:
                 part.unlink()
-        except OSError:
-            pass
