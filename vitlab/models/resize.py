@@ -73,10 +73,8 @@ def resample_pos_embed(
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim, dtype = grid.shape[-1], grid.dtype
     grid = grid.float().reshape(1, *old_grid, dim).permute(0, 3, 1, 2)
-    if mode in ("nearest", "area"):
-        grid = F.interpolate(grid, size=new_grid, mode=mode)
-    else:
-        grid = F.interpolate(grid, size=new_grid, mode=mode, align_corners=align_corners, antialias=antialias)
+    smooth = {} if mode in ("nearest", "area") else {"align_corners": align_corners, "antialias": antialias}
+    grid = F.interpolate(grid, size=new_grid, mode=mode, **smooth)  # nearest and area take neither option
     grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(dtype)
     return torch.cat([prefix, grid], dim=1)
 

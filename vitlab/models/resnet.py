@@ -10,6 +10,7 @@ timm's `ResNetV2` (`stem.conv`, `stages.N.blocks.M.conv1`...) so hybrid checkpoi
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -59,25 +60,16 @@ class MaxPool2dSame(nn.Module):
         return F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)
 
 
-class Downsample(nn.Module):
-    """Projection shortcut: strided 1x1 conv and GroupNorm."""
-
-    def __init__(self, in_chans: int, out_chans: int, stride: int) -> None:
-        super().__init__()
-        self.conv = StdConv2dSame(in_chans, out_chans, 1, stride)
-        self.norm = GroupNormAct(out_chans, act=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x))
-
-
 class Bottleneck(nn.Module):
     """1x1 -> 3x3 (strided) -> 1x1, each followed by GroupNorm; ReLU after the residual sum."""
 
     def __init__(self, in_chans: int, out_chans: int, stride: int = 1, project: bool = False) -> None:
         super().__init__()
         mid = out_chans // 4
-        self.downsample = Downsample(in_chans, out_chans, stride) if project else None
+        self.downsample = None  # the projection shortcut: strided 1x1 conv and GroupNorm
+        if project:
+            self.downsample = nn.Sequential(OrderedDict(conv=StdConv2dSame(in_chans, out_chans, 1, stride),
+                                                        norm=GroupNormAct(out_chans, act=False)))  # fmt: skip
         self.conv1 = StdConv2dSame(in_chans, mid, 1)
         self.norm1 = GroupNormAct(mid)
         self.conv2 = StdConv2dSame(mid, mid, 3, stride)
@@ -92,27 +84,17 @@ class Bottleneck(nn.Module):
         return F.relu(self.norm3(self.conv3(x)) + shortcut)
 
 
-class ResNetStage(nn.Module):
-    def __init__(self, in_chans: int, out_chans: int, depth: int, stride: int) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(
-            *[
-                Bottleneck(in_chans if i == 0 else out_chans, out_chans, stride if i == 0 else 1, project=i == 0)
-                for i in range(depth)
-            ]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
+def resnet_stage(in_chans: int, out_chans: int, depth: int, stride: int) -> nn.Sequential:
+    """`depth` bottlenecks, the first projecting and striding, under `blocks` (timm's names)."""
+    blocks = [Bottleneck(in_chans if i == 0 else out_chans, out_chans, stride if i == 0 else 1, project=i == 0)
+              for i in range(depth)]  # fmt: skip
+    return nn.Sequential(OrderedDict(blocks=nn.Sequential(*blocks)))
 
 
 def resnet_root(in_chans: int, width: int) -> nn.Sequential:
     """7x7 stride-2 conv, GroupNorm + ReLU, 3x3 stride-2 max pool: output stride 4."""
-    root = nn.Sequential()
-    root.add_module("conv", StdConv2dSame(in_chans, width, 7, 2))
-    root.add_module("norm", GroupNormAct(width))
-    root.add_module("pool", MaxPool2dSame())
-    return root
+    return nn.Sequential(OrderedDict(conv=StdConv2dSame(in_chans, width, 7, 2), norm=GroupNormAct(width),
+                                     pool=MaxPool2dSame()))  # fmt: skip
 
 
 class ResNet(nn.Module):
@@ -126,7 +108,7 @@ class ResNet(nn.Module):
         chans = width
         for i, depth in enumerate(layers):
             out = 4 * width * 2**i
-            self.stages.add_module(str(i), ResNetStage(chans, out, depth, stride=1 if i == 0 else 2))
+            self.stages.add_module(str(i), resnet_stage(chans, out, depth, stride=1 if i == 0 else 2))
             chans = out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -144,16 +144,10 @@ class ConvTokenizer(Tokenizer):
             raise ValueError(f"stem='conv' needs a power-of-two patch_size >= 2 (got {patch_size})")
         super().__init__(img_size, patch_size, in_chans)
         chans = [in_chans] + [channels] * (stages - 1) + [embed_dim]
-        self.convs = nn.Sequential(
-            *[
-                nn.Sequential(
-                    nn.Conv2d(chans[i], chans[i + 1], 3, padding=1, bias=False),
-                    nn.ReLU(inplace=True),
-                    nn.MaxPool2d(3, stride=2, padding=1),
-                )
-                for i in range(stages)
-            ]
-        )
+        self.convs = nn.Sequential(*(
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1, bias=False), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+            for a, b in zip(chans, chans[1:])
+        ))  # fmt: skip
 
     def tokenize(self, x: torch.Tensor) -> torch.Tensor:
         return self.convs(x).flatten(2).transpose(1, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections import OrderedDict
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,8 @@ from vitlab.models.tokenizers import make_tokenizer, token_grid
 log = logging.getLogger("vitlab")
 
 Pool = Literal["token", "avg", "seq"]
+PosEmbed = Literal["learn", "sincos"]
+Stem = Literal["patch", "conv", "spt", "resnet"]
 
 # On the CPU, torch's fused bf16 attention kernel is several times slower than its unfused math path on
 # short sequences (17 tokens: 18 ms against 4 ms forward + backward, batch 128, 3 heads) and faster on
@@ -45,9 +48,6 @@ def _attention_kernel(q: torch.Tensor, num_keys: int) -> contextlib.AbstractCont
     ):  # fmt: skip
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
-PosEmbed = Literal["learn", "sincos"]
-Stem = Literal["patch", "conv", "spt", "resnet"]
-
 
 
 def sincos_pos_embed_2d(grid: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
@@ -247,22 +247,16 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, embed_dim), requires_grad=pos_embed == "learn")
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
-        self.blocks = nn.Sequential(
-            *[
-                Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, lsa)
-                for i in range(depth)
-            ]
-        )
+        block_args = (embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate)
+        self.blocks = nn.Sequential(*(Block(*block_args, d, norm_eps, lsa) for d in dpr))
         # GAP models normalise after pooling, as timm's `fc_norm` (and big_vision) do.
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps) if pool != "avg" else nn.Identity()
         self.fc_norm = nn.LayerNorm(embed_dim, eps=norm_eps) if pool == "avg" else nn.Identity()
         self.attn_pool = nn.Linear(embed_dim, 1) if pool == "seq" else None
+        self.pre_logits = nn.Identity()
         if representation_size:
-            self.pre_logits = nn.Sequential()
-            self.pre_logits.add_module("fc", nn.Linear(embed_dim, representation_size))
-            self.pre_logits.add_module("act", nn.Tanh())
-        else:
-            self.pre_logits = nn.Identity()
+            fc = nn.Linear(embed_dim, representation_size)
+            self.pre_logits = nn.Sequential(OrderedDict(fc=fc, act=nn.Tanh()))
         self.head = nn.Linear(representation_size or embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.head_dist = self._new_head(num_classes) if distilled else None
         self.init_weights()
@@ -284,9 +278,6 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.cls_token, std=1e-6)
         if self.dist_token is not None:
             nn.init.trunc_normal_(self.dist_token, std=0.02)
-        self._init_pos_embed()
-
-    def _init_pos_embed(self) -> None:
         with torch.no_grad():
             if self.config["pos_embed"] == "sincos":
                 self.pos_embed.zero_()
@@ -342,11 +333,8 @@ class VisionTransformer(nn.Module):
         A distilled model predicts with the mean of its two heads' logits, as DeiT's code, timm
         (`VisionTransformerDistilled`) and transformers (`DeiTForImageClassificationWithTeacher`) do.
         """
-        if self.distilled:
-            if pre_logits:
-                return (x[:, 0] + x[:, 1]) / 2
-            cls_logits, dist_logits = self.forward_heads(x)
-            return (cls_logits + dist_logits) / 2
+        if self.distilled:  # the mean of the two prefix tokens, or of the two heads' logits
+            return (x[:, 0] + x[:, 1]) / 2 if pre_logits else sum(self.forward_heads(x)) / 2
         x = self.pre_logits(self.fc_norm(self.pool_tokens(x)))
         return x if pre_logits else self.head(x)
 
@@ -439,8 +427,7 @@ class VisionTransformer(nn.Module):
         """Swap in a zero-initialised linear head (both heads of a distilled model) and drop the
         pre-logits layer (paper, section 3.2)."""
         self.pre_logits = nn.Identity()
-        self.config["representation_size"] = None
-        self.config["num_classes"] = num_classes
+        self.config.update(representation_size=None, num_classes=num_classes)
         self.num_classes = num_classes
         self.head = self._new_head(num_classes)
         if self.distilled:
