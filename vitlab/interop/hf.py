@@ -122,10 +122,8 @@ def processor_data_config(processor: Mapping[str, Any] | None) -> dict[str, Any]
     size, crop = processor.get("size"), processor.get("crop_size")
     resized = _side(size) if processor.get("do_resize", True) else None
     cropped = _side(crop) if processor.get("do_center_crop") else None
-    if resized and cropped:
-        data["crop_pct"] = min(1.0, cropped / resized)
-    elif resized:
-        data["crop_pct"] = 1.0
+    if resized:
+        data["crop_pct"] = min(1.0, cropped / resized) if cropped else 1.0
     return data
 
 
@@ -216,10 +214,8 @@ def _fuse_qkv(qkv: dict[tuple[int, str], dict[int, str]], src: Source, conv: Con
 
 # PIL's resampling codes, which transformers' image processors store.
 _PIL_RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
-_BLOCK_OUT = {
-    "norm1": "layernorm_before", "attn.proj": "attention.output.dense", "norm2": "layernorm_after",
-    "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense",
-}  # fmt: skip
+# The on-disk (4.x) names follow the 5.x ones in `_SUB`, so inverting it keeps the former.
+_BLOCK_OUT = {ours: theirs for theirs, ours in _SUB.items()}
 _TOP_OUT = {v: k for k, v in _TOP.items()}
 
 

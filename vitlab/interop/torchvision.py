@@ -22,24 +22,12 @@ DATA_CONFIG_SWAG: dict[str, Any] = {**DATA_CONFIG, "interpolation": "bicubic", "
 RESAMPLE: dict[str, Any] = {"mode": "bicubic", "antialias": False, "align_corners": True}
 
 _BLOCK = re.compile(r"^encoder\.layers\.encoder_layer_(\d+)\.(.+)$")
+# Block modules; `self_attention.in_proj_{weight,bias}` are read as `in_proj.{weight,bias}`.
 _SUB = {
-    "ln_1.weight": "norm1.weight",
-    "ln_1.bias": "norm1.bias",
-    "self_attention.in_proj_weight": "attn.qkv.weight",
-    "self_attention.in_proj_bias": "attn.qkv.bias",
-    "self_attention.out_proj.weight": "attn.proj.weight",
-    "self_attention.out_proj.bias": "attn.proj.bias",
-    "ln_2.weight": "norm2.weight",
-    "ln_2.bias": "norm2.bias",
-    "mlp.0.weight": "mlp.fc1.weight",
-    "mlp.0.bias": "mlp.fc1.bias",
-    "mlp.3.weight": "mlp.fc2.weight",
-    "mlp.3.bias": "mlp.fc2.bias",
-    "mlp.linear_1.weight": "mlp.fc1.weight",  # MLPBlock names before torchvision 0.13
-    "mlp.linear_1.bias": "mlp.fc1.bias",
-    "mlp.linear_2.weight": "mlp.fc2.weight",
-    "mlp.linear_2.bias": "mlp.fc2.bias",
-}
+    "ln_1": "norm1", "self_attention.in_proj": "attn.qkv", "self_attention.out_proj": "attn.proj", "ln_2": "norm2",
+    "mlp.0": "mlp.fc1", "mlp.3": "mlp.fc2",
+    "mlp.linear_1": "mlp.fc1", "mlp.linear_2": "mlp.fc2",  # MLPBlock names before torchvision 0.13
+}  # fmt: skip
 _TOP = {
     "conv_proj.weight": "patch_embed.proj.weight",
     "conv_proj.bias": "patch_embed.proj.bias",
@@ -64,8 +52,10 @@ def convert(tensors: Mapping[str, torch.Tensor], path: str) -> Converted:
     for key in src.keys():
         if key in _TOP:
             conv.put(_TOP[key], src.take(key), key)
-        elif (m := _BLOCK.match(key)) and m.group(2) in _SUB:
-            conv.put(f"blocks.{m.group(1)}.{_SUB[m.group(2)]}", src.take(key), key)
+        elif m := _BLOCK.match(key):
+            module, _, param = m.group(2).replace("in_proj_", "in_proj.").rpartition(".")
+            if module in _SUB and param in ("weight", "bias"):
+                conv.put(f"blocks.{m.group(1)}.{_SUB[module]}.{param}", src.take(key), key)
     src.finish()
     w = conv.state_dict.get("patch_embed.proj.weight")
     pos = conv.state_dict.get("pos_embed")
