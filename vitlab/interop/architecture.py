@@ -35,9 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def default_num_heads(embed_dim: int) -> int | None:
-    if embed_dim in _HEADS_BY_DIM:
-        return _HEADS_BY_DIM[embed_dim]
-    return embed_dim // 64 if embed_dim % 64 == 0 else None
+    return _HEADS_BY_DIM.get(embed_dim, embed_dim // 64 if embed_dim % 64 == 0 else None)
 
 
 # Wrappers a training run may leave on parameter names: DDP and torch.compile.
@@ -108,12 +106,9 @@ class Source:
     def skip(self, *keys: str) -> None:
         self.used.update(k for k in keys if k in self.tensors)
 
-    def leftover(self) -> list[str]:
-        return [k for k in self.tensors if k not in self.used]
-
     def finish(self) -> None:
         """Fail on tensors the converter did not map: they belong to parts vitlab does not implement."""
-        rest = self.leftover()
+        rest = [k for k in self.tensors if k not in self.used]
         if rest:
             raise self.error(
                 f"{len(rest)} tensor(s) do not map onto vitlab's ViT (a variant with parts it does not "
@@ -199,13 +194,9 @@ def infer_config(sd: Mapping[str, torch.Tensor], config: Mapping[str, Any], err:
 
     class_token = "cls_token" in sd
     distilled = "dist_token" in sd  # DeiT: a second prefix token with its own head
-    if "fc_norm.weight" in sd:
-        pool = "avg"
-    elif "attn_pool.weight" in sd:
-        pool = "seq"
-    elif class_token:
-        pool = "token"
-    else:
+    found = {"avg": "fc_norm.weight" in sd, "seq": "attn_pool.weight" in sd, "token": class_token}
+    pool = next((p for p, here in found.items() if here), None)
+    if pool is None:
         raise err(
             "no class token and no fc_norm: the model pools the tokens after the final norm (GAP after norm), "
             "which vitlab's ViT does not implement (its GAP models normalise after pooling, as timm's fc_norm)"

@@ -63,19 +63,17 @@ def check_expressible(model: VisionTransformer, format: str) -> None:
         )
 
 
-def _writers() -> dict[str, Callable[[VisionTransformer, Path], Path]]:
-    from vitlab.interop import hf, onnx, timm, vitlab_format
-
-    return {"vitlab": vitlab_format.save_pretrained, "hf": hf.export_hf, "timm": timm.export_timm,
-            "onnx": onnx.export_onnx}  # fmt: skip
-
-
 def export(model: VisionTransformer | str | Path, format: str, out: str | Path) -> Path:
     """Write `model` (or the checkpoint at that path, any format `load_pretrained` reads) into the
     folder `out` in `format`: "vitlab", "hf", "timm" or "onnx". Returns the folder."""
-    if not isinstance(model, VisionTransformer):
-        from vitlab.interop.load import load_pretrained
+    from vitlab.interop import hf, onnx, timm, vitlab_format
+    from vitlab.interop.load import load_pretrained
 
+    if not isinstance(model, VisionTransformer):
         model = load_pretrained(model)
     check_expressible(model, format)
-    return _writers()[format](model, Path(out))
+    writers: dict[str, Callable[[VisionTransformer, Path], Path]] = {
+        "vitlab": vitlab_format.save_pretrained, "hf": hf.export_hf, "timm": timm.export_timm,
+        "onnx": onnx.export_onnx,
+    }
+    return writers[format](model, Path(out))

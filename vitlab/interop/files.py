@@ -124,14 +124,12 @@ def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
-    except ValueError as e:
-        if "allow_pickle" in str(e):
+    except (ValueError, OSError, EOFError) as e:
+        if isinstance(e, ValueError) and "allow_pickle" in str(e):
             raise UnsafeCheckpointError(
                 "the .npz holds object arrays (pickled Python objects); vitlab reads numeric arrays only",
                 path=label,
             ) from e
-        raise CheckpointError(f"not a readable .npz file: {e}", path=label) from e
-    except (OSError, EOFError) as e:
         raise CheckpointError(f"not a readable .npz file: {e}", path=label) from e
 
 

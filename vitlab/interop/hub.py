@@ -175,8 +175,8 @@ def _offline_miss(repo: str, label: str) -> SourceError:
 
     why = "downloads are off (HF_HUB_OFFLINE=1)" if _offline() else "the Hub cannot be reached"
     return SourceError(
-        f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: run `hf download {repo}` "
-        "(or `huggingface-cli download`) where the Hub is reachable, or give a local path"
+        f"{label} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: run "
+        f"`hf download {repo}` (or `huggingface-cli download`) where the Hub is reachable, or give a local path"
     )
 
 

@@ -36,10 +36,7 @@ RESAMPLE: dict[str, Any] = {"mode": "bilinear", "antialias": False, "align_corne
 
 
 def find_prefix(keys: list[str]) -> str | None:
-    for p in PREFIXES:
-        if f"{p}embedding/kernel" in keys:
-            return p
-    return None
+    return next((p for p in PREFIXES if f"{p}embedding/kernel" in keys), None)
 
 
 def looks_like(keys: list[str]) -> bool:

@@ -74,8 +74,7 @@ def _resample_rule(resample: str | Mapping[str, Any] | None, conv: Converted) ->
 
 def convert(raw: RawCheckpoint, config: Mapping[str, Any]) -> Converted:
     """Detect the format of a read checkpoint and convert it to vitlab names (`config`: the caller's)."""
-    path = raw.label
-    obj = raw.obj
+    path, obj = raw.label, raw.obj
     if raw.kind == "npz":
         if jax_npz.looks_like(list(obj)):
             return jax_npz.convert(obj, path, config)
