@@ -198,8 +198,8 @@ def inspect(
         _, attn = model.forward_attention(x.to(device))
         d = mean_attention_distance(attn.cpu(), grid, p, prefix) * x.shape[0]
         total, count = (d if total is None else total + d), count + x.shape[0]
-    write(plot_attention_distance, total / count, "attention_distance.png",
-          title=f"Mean attention distance ({source})")
+    title = f"Mean attention distance ({source})"
+    write(plot_attention_distance, total / count, "attention_distance.png", title=title)
 
     kind = "fixed sin-cos" if model.config.get("pos_embed") == "sincos" else "learned"
     sim = pos_embed_similarity(model.pos_embed.cpu(), grid, prefix)

@@ -75,5 +75,5 @@ def export(model: VisionTransformer | str | Path, format: str, out: str | Path) 
     writers: dict[str, Callable[[VisionTransformer, Path], Path]] = {
         "vitlab": vitlab_format.save_pretrained, "hf": hf.export_hf, "timm": timm.export_timm,
         "onnx": onnx.export_onnx,
-    }
+    }  # fmt: skip
     return writers[format](model, Path(out))

@@ -8,6 +8,7 @@ Every tokenizer has the same interface: `patch_size` (its total stride in pixels
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -146,7 +147,7 @@ class ConvTokenizer(Tokenizer):
         chans = [in_chans] + [channels] * (stages - 1) + [embed_dim]
         self.convs = nn.Sequential(*(
             nn.Sequential(nn.Conv2d(a, b, 3, padding=1, bias=False), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
-            for a, b in zip(chans, chans[1:])
+            for a, b in itertools.pairwise(chans)
         ))  # fmt: skip
 
     def tokenize(self, x: torch.Tensor) -> torch.Tensor:
