@@ -30,8 +30,7 @@ from torchmetrics import MeanMetric
 from vitlab.data.batch import denormalize, split_batch
 from vitlab.models import VisionTransformer, create_model
 from vitlab.train.objectives.classifier import _plain, log_training_step
-from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed, param_groups
-from vitlab.train.objectives.schedule import lightning_schedule
+from vitlab.train.objectives.optim import ViTOptimization, param_groups
 
 Target = Literal["color", "pixels"]
 
@@ -118,7 +117,7 @@ def apply_corruption(patches: torch.Tensor, c: Corruption, fill: torch.Tensor | 
 # ---- the module --------------------------------------------------------------------------------------
 
 
-class MaskedPatchPretraining(L.LightningModule):
+class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
     """Self-supervised pretraining of a vitlab ViT by masked patch prediction; see the module docstring.
 
     `arch` / `model_args` / `img_size` build the encoder exactly as `ViTClassifier` does (so the
@@ -316,22 +315,14 @@ class MaskedPatchPretraining(L.LightningModule):
 
     # ---- optimisation -------------------------------------------------------------------------------
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def optimizer_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
         groups = param_groups(self.model, hp.weight_decay, lr=hp.lr)
         for group in param_groups(self.mpp_head, hp.weight_decay, lr=hp.lr):
             group["params"] = [(f"mpp_head.{name}", p) for name, p in group["params"]]
             groups.append(group)
         groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr, "lr_scale": 1.0})
-        fused = fused_allowed(self._trainer)
-        optimizer = build_optimizer(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), fused=fused)
-        return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
-
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)  # keeps fused AdamW under bf16
+        return groups
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
