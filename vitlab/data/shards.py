@@ -389,22 +389,19 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         self.val_fraction, self.shuffle_buffer, self.num_samples = val_fraction, shuffle_buffer, num_samples
         self.in_memory, self.source = in_memory, source
         self._augment: BatchAugment | None = None
-        self._train_urls: list[str] | None = None
-        self._index: dict[str, SplitIndex] | None = None
 
     @property
     def held_out(self) -> bool:
         return self.val_shards is None and self.val_fraction > 0
 
+    @functools.cached_property
     def _urls(self) -> list[str]:
-        if self._train_urls is None:
-            if self.source is not None and not _is_remote(self.train_shards) and not Path(self.train_shards).exists():
-                ensure_public(self.source, Path(self.train_shards).parent)
-            self._train_urls = expand_shards(self.train_shards)
-        return self._train_urls
+        if self.source is not None and not _is_remote(self.train_shards) and not Path(self.train_shards).exists():
+            ensure_public(self.source, Path(self.train_shards).parent)
+        return expand_shards(self.train_shards)
 
     def _discover_class_names(self) -> list[str]:
-        urls = self._urls()
+        urls = self._urls
         txt = Path(urls[0]).parent / "classes.txt"
         if not _is_remote(urls[0]) and (names := read_classes_txt(txt)) is not None:
             self._class_where = str(txt)
@@ -419,10 +416,9 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         counts = index_shards(urls, self.val_fraction if self.held_out else 0.0)
         return [str(i) for i in range(max(c.max_label for c in counts) + 1)]
 
-    def _build_index(self) -> dict[str, SplitIndex]:
-        if self._index is not None:
-            return self._index
-        urls, names, vf = self._urls(), self.class_names, self.val_fraction
+    @functools.cached_property
+    def _index(self) -> dict[str, SplitIndex]:
+        urls, names, vf = self._urls, self.class_names, self.val_fraction
         counts: list[ShardCounts] = []  # with num_samples, labels are checked per sample while reading
         index: dict[str, SplitIndex]
         if self.held_out:
@@ -444,7 +440,6 @@ class ShardDataModule(LabelsOption, ImageDataModule):
             raise ValueError(f"shard labels go up to {max_label} but there are {len(names)} classes ({names[:5]}...)")
         for split, (_, counts_, _, _) in index.items():
             log.info("%s: %s split has %d samples in %d shards", type(self).__name__, split, sum(counts_), len(counts_))
-        self._index = index
         return index
 
     def dataset(
@@ -457,7 +452,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         """One rank's stream of `split` (None for val when there is no validation data), in whole-batch
         worker pieces of the per-device batch. rank/world_size default to the trainer's or
         torch.distributed's. `decode=False` yields (key, label) only."""
-        index = self._build_index()
+        index = self._index
         if split not in index:
             return None
         urls, counts, part, vf = index[split]
@@ -476,7 +471,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     def prepare_data(self) -> None:
         """Count the shards into their index where it is missing or out of date: Lightning runs this on
         local rank 0 while the other ranks wait, so their `setup` reads the index, not the shards."""
-        self._build_index()
+        _ = self._index
 
     def _setup_datasets(self, stage: str | None) -> None:
         if self.train_dataset is None:
