@@ -258,8 +258,6 @@ class HFDataModule(ImageDataModule):
         )  # fmt: skip
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is not None:
-            return
         train, val = self._splits
         self.train_dataset = self._wrap(train, train=True)
         self.val_dataset = None if val is None else self._wrap(val, train=False)

@@ -474,9 +474,8 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         _ = self._index
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is None:
-            make = self.memory_dataset if self.in_memory else self.dataset
-            self.train_dataset, self.val_dataset = make("train"), make("val")
+        make = self.memory_dataset if self.in_memory else self.dataset
+        self.train_dataset, self.val_dataset = make("train"), make("val")
 
     def memory_dataset(self, split: Literal["train", "val"]) -> MemoryImages | None:
         """All of `split` decoded into a MemoryImages (every rank holds all of it; the sampler splits).
