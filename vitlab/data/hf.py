@@ -83,9 +83,8 @@ def worker_quota(shard_rows: list[int], world_size: int, worker: int = 0, num_wo
 
 
 class HFIterableImageDataset(IterableDataset):
-    """Streaming adapter: this rank's share of the stream (`split_dataset_by_node`; only the rows it
-    keeps are decoded), each worker stopping at `worker_quota` rows so that every rank yields the same
-    number of batches (see the module doc). What a share holds beyond the quota (shards of unequal
+    """Streaming adapter: this rank's share of the stream (`split_dataset_by_node`), each worker stopping
+    at `worker_quota` rows (see the module doc); what a share holds beyond the quota (shards of unequal
     size) is dropped that epoch. One process (world_size 1) reads everything."""
 
     def __init__(

@@ -231,14 +231,10 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
         return denormalize(x, self.model.data_config["mean"], self.model.data_config["std"]).clamp(0.0, 1.0)
 
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, Corruption]:
-        """Images -> (head outputs for every patch `[B, N, out]`, the corruption applied).
-
-        The corruption is applied to the pixels the tokenizer reads (masked patches set to 0, the
-        data's mean colour; random ones replaced by their source patch) and to the patch embeddings
-        (masked ones replaced by the mask token). For the paper's patch tokenizer this is exactly the
-        embedding corruption; tokenizers whose receptive field spans neighbouring patches (conv, spt)
-        thus cannot read a corrupted patch through its neighbours.
-        """
+        """Images -> (head outputs for every patch `[B, N, out]`, the corruption applied): to the pixels
+        the tokenizer reads (masked patches set to 0, the data's mean colour; random ones replaced by their
+        source patch) and to the patch embeddings (masked ones replaced by the mask token); see the module
+        docstring for why both."""
         hp = self.hparams
         p, grid = self.patch_size, self.model.patch_embed.grid_size
         c = draw_corruption(x.shape[0], grid[0] * grid[1], hp.corrupt_ratio, hp.mask_ratio, hp.random_ratio,
