@@ -353,10 +353,11 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     Class names come from `classes.txt` beside the train shards, else `num_classes` or the labels.
     Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out. Shards are counted
     once into `shardindex.json` (`prepare_data`; `vitlab index-shards` ahead of time), or `num_samples`
-    (train samples in all shards) stands for the count; see the module doc. `source` names the public dataset (vitlab.data.public) to fetch into the parent of
-    `train_shards` when that folder is missing. `in_memory=True` decodes both splits once into uint8
-    tensors and augments batches on the device (vitlab.data.memory): the fast path for datasets that
-    fit in RAM. `labels=False` reads images only (shards without `.cls` work), every label -1.
+    (train samples in all shards) stands for the count; see the module doc. `source` names the public
+    dataset (vitlab.data.public) to fetch into the parent of `train_shards` when that folder is missing.
+    `in_memory=True` decodes both splits once into uint8 tensors and augments batches on the device
+    (vitlab.data.memory): the fast path for datasets that fit in RAM. `labels=False` reads images only
+    (shards without `.cls` work), every label -1.
     """
 
     def __init__(
