@@ -38,9 +38,6 @@ LAST, LAST_IF_PRESENT = "last", "last-if-present"
 class SaveRunConfig(SaveConfigCallback):
     """Write the resolved config to `<run_dir>/config.yaml` (rank 0) and log it as hyperparameters."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
-
     def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         path = Path(trainer.default_root_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +62,7 @@ class VitlabCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_callback=SaveRunConfig,
-            save_config_kwargs={"overwrite": True},
+            save_config_kwargs={"overwrite": True, "save_to_log_dir": False},  # SaveRunConfig writes to run_dir
             seed_everything_default=0,
             parser_kwargs={"default_env": False},
             args=args,

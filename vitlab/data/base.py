@@ -148,7 +148,8 @@ class ImageDataModule(L.LightningDataModule):
 
     def _setup_datasets(self, stage: str | None) -> None:
         """Build `self.train_dataset` / `self.val_dataset` (None when there is no validation data), and
-        `self.test_dataset` where the source has a test split kept apart from model selection."""
+        `self.test_dataset` where the source has a test split kept apart from model selection; `setup`
+        calls it once (fit, validate and test share the datasets)."""
         raise NotImplementedError
 
     # ---- classes and configuration ----------------------------------------------------------------
@@ -243,7 +244,8 @@ class ImageDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.batch_size_per_device = self.per_device_batch_size  # fail fast on an indivisible batch
-        self._setup_datasets(stage)
+        if self.train_dataset is None:
+            self._setup_datasets(stage)
         _ = self.class_names  # resolves and checks num_classes
 
     def eval_sampler(self, dataset: Dataset) -> Sampler | None:

@@ -91,8 +91,6 @@ class CIFARDataModule(ImageDataModule):
             return list(pickle.load(f, encoding="latin1")[CIFAR100.meta["key"]])
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is not None:
-            return
         cls = _VARIANTS[self.variant]
         try:
             train = cls(str(self.root), train=True, transform=self.train_transform(), download=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,10 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.root = Path(root).expanduser()
         self.val_fraction = val_fraction
-        self._dirs: tuple[Path, Path | None, Path | None] | None = None
 
+    @functools.cached_property
     def _layout(self) -> tuple[Path, Path | None, Path | None]:
         """(train folder, val folder or None, test folder or None)."""
-        if self._dirs is not None:
-            return self._dirs
         root = self.root
         if not root.is_dir():
             what = "is not a folder" if root.exists() else "does not exist"
@@ -91,11 +90,10 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
                         f"{split} classes in {folder} differ from training classes in {train}: "
                         f"missing from {split}: {missing or 'none'}; only in {split}: {extra or 'none'}"
                     )
-        self._dirs = (train, val, test)
-        return self._dirs
+        return train, val, test
 
     def _discover_class_names(self) -> list[str]:
-        train_dir = self._layout()[0]
+        train_dir = self._layout[0]
         self._class_where = str(train_dir)
         classes = _class_dirs(train_dir)
         if len(classes) < 2 and not any(_has_image(train_dir / c) for c in classes):
@@ -110,7 +108,7 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         """List the image files into the file index (vitlab.data.shard_index) where it is missing or out
         of date. Lightning runs this once per node while the other ranks wait, so their `setup` reads
         the index instead of walking the tree."""
-        for folder in self._layout() if self.labels else ():
+        for folder in self._layout if self.labels else ():
             if folder is not None:
                 indexed_files(folder, self.class_names, IMG_EXTENSIONS)
 
@@ -127,9 +125,7 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         return samples
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is not None:
-            return
-        train_dir, val_dir, test_dir = self._layout()
+        train_dir, val_dir, test_dir = self._layout
         scan = (lambda d: self._scan(d, self.class_names)) if self.labels else unlabelled_samples
         samples = scan(train_dir)
         if val_dir is not None:

@@ -12,6 +12,7 @@ the user's cache folder (vitlab.data.shard_index) by `prepare_data`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -82,9 +83,8 @@ def worker_quota(shard_rows: list[int], world_size: int, worker: int = 0, num_wo
 
 
 class HFIterableImageDataset(IterableDataset):
-    """Streaming adapter: this rank's share of the stream (`split_dataset_by_node`; only the rows it
-    keeps are decoded), each worker stopping at `worker_quota` rows so that every rank yields the same
-    number of batches (see the module doc). What a share holds beyond the quota (shards of unequal
+    """Streaming adapter: this rank's share of the stream (`split_dataset_by_node`), each worker stopping
+    at `worker_quota` rows (see the module doc); what a share holds beyond the quota (shards of unequal
     size) is dropped that epoch. One process (world_size 1) reads everything."""
 
     def __init__(
@@ -151,26 +151,21 @@ class HFDataModule(ImageDataModule):
         self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
         self.data_dir, self.data_files, self.cache_dir = data_dir, data_files, cache_dir
         self.streaming, self.val_fraction, self.shuffle_buffer = streaming, val_fraction, shuffle_buffer
-        self._dd: Any = None
-        self._splits: tuple[Any, Any] | None = None
 
     def _describe(self) -> str:
         return self.path + (f"/{self.name}" if self.name else "") + (f" ({self.data_dir})" if self.data_dir else "")
 
-    def _load(self) -> Any:
-        if self._dd is None:
-            import datasets
+    @functools.cached_property
+    def _dd(self) -> Any:
+        import datasets
 
-            self._dd = datasets.load_dataset(
-                self.path, self.name, data_dir=self.data_dir, data_files=self.data_files,
-                cache_dir=self.cache_dir, streaming=self.streaming,
-            )  # fmt: skip
-        return self._dd
+        return datasets.load_dataset(self.path, self.name, data_dir=self.data_dir, data_files=self.data_files,
+                                     cache_dir=self.cache_dir, streaming=self.streaming)  # fmt: skip
 
     def prepare_data(self) -> None:
         """Download / build the arrow cache, and for a stream over several ranks count its shards' rows
         into the index; Lightning runs this once per node while the other ranks wait."""
-        dd = self._load()
+        dd = self._dd
         if self.streaming and self.world_size > 1:
             for split in {self.train_split, self.val_split, self.test_split} & set(dd):
                 self._shard_rows(dd[split], split)
@@ -189,11 +184,10 @@ class HFDataModule(ImageDataModule):
 
         return indexed_rows(key, count)
 
-    def _raw_splits(self) -> tuple[Any, Any]:
+    @functools.cached_property
+    def _splits(self) -> tuple[Any, Any]:
         """(train, val or None) as HF datasets, the held-out split applied."""
-        if self._splits is not None:
-            return self._splits
-        dd = self._load()
+        dd = self._dd
         if self.train_split not in dd:
             raise ValueError(f"{self._describe()} has no split {self.train_split!r}; it has {sorted(dd)}")
         train = dd[self.train_split]
@@ -220,11 +214,10 @@ class HFDataModule(ImageDataModule):
             except ValueError:  # too few samples per class to stratify
                 parts = train.train_test_split(**kw)
             train, val = parts["train"], parts["test"]
-        self._splits = (train, val)
-        return self._splits
+        return train, val
 
     def _label_feature_names(self) -> list[str] | None:
-        train = self._load()[self.train_split]
+        train = self._dd[self.train_split]
         feature = (train.features or {}).get(self.label_column)
         return list(feature.names) if hasattr(feature, "names") else None
 
@@ -239,7 +232,7 @@ class HFDataModule(ImageDataModule):
             raise ValueError(
                 f"{self._describe()}: label column {self.label_column!r} is not a ClassLabel; give num_classes"
             )
-        labels = self._load()[self.train_split][self.label_column]
+        labels = self._dd[self.train_split][self.label_column]
         return [str(i) for i in range(int(max(labels)) + 1)]
 
     def _wrap(self, ds: Any, train: bool, split: str | None = None) -> Any:
@@ -264,11 +257,9 @@ class HFDataModule(ImageDataModule):
         )  # fmt: skip
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is not None:
-            return
-        train, val = self._raw_splits()
+        train, val = self._splits
         self.train_dataset = self._wrap(train, train=True)
         self.val_dataset = None if val is None else self._wrap(val, train=False)
-        dd = self._load()
+        dd = self._dd
         if self.test_split is not None and self.test_split in dd and self.test_split != self.val_split:
             self.test_dataset = self._wrap(dd[self.test_split], train=False, split=self.test_split)

@@ -351,14 +351,13 @@ class ShardDataModule(LabelsOption, ImageDataModule):
 
     `train_shards` / `val_shards`: a folder, glob or brace pattern (several joined with '::').
     Class names come from `classes.txt` beside the train shards, else `num_classes` or the labels.
-    Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out.
-    Shards are counted once into `shardindex.json` (`prepare_data`; `vitlab index-shards` ahead of time).
-    `num_samples` (train samples in all shards) skips counting the train shards; see the module doc.
-    Rank and world size come from the trainer / torch.distributed; `dataset()` also takes them
-    explicitly. `source` names the public dataset (vitlab.data.public) to fetch into the parent of
-    `train_shards` when that folder is missing. `in_memory=True` decodes both splits once into uint8
-    tensors and augments batches on the device (vitlab.data.memory): the fast path for datasets that
-    fit in RAM. `labels=False` reads images only (shards without `.cls` work), every label -1.
+    Without `val_shards`, `val_fraction` of the train samples (by key hash) is held out. Shards are counted
+    once into `shardindex.json` (`prepare_data`; `vitlab index-shards` ahead of time), or `num_samples`
+    (train samples in all shards) stands for the count; see the module doc. `source` names the public
+    dataset (vitlab.data.public) to fetch into the parent of `train_shards` when that folder is missing.
+    `in_memory=True` decodes both splits once into uint8 tensors and augments batches on the device
+    (vitlab.data.memory): the fast path for datasets that fit in RAM. `labels=False` reads images only
+    (shards without `.cls` work), every label -1.
     """
 
     def __init__(
@@ -389,22 +388,19 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         self.val_fraction, self.shuffle_buffer, self.num_samples = val_fraction, shuffle_buffer, num_samples
         self.in_memory, self.source = in_memory, source
         self._augment: BatchAugment | None = None
-        self._train_urls: list[str] | None = None
-        self._index: dict[str, SplitIndex] | None = None
 
     @property
     def held_out(self) -> bool:
         return self.val_shards is None and self.val_fraction > 0
 
+    @functools.cached_property
     def _urls(self) -> list[str]:
-        if self._train_urls is None:
-            if self.source is not None and not _is_remote(self.train_shards) and not Path(self.train_shards).exists():
-                ensure_public(self.source, Path(self.train_shards).parent)
-            self._train_urls = expand_shards(self.train_shards)
-        return self._train_urls
+        if self.source is not None and not _is_remote(self.train_shards) and not Path(self.train_shards).exists():
+            ensure_public(self.source, Path(self.train_shards).parent)
+        return expand_shards(self.train_shards)
 
     def _discover_class_names(self) -> list[str]:
-        urls = self._urls()
+        urls = self._urls
         txt = Path(urls[0]).parent / "classes.txt"
         if not _is_remote(urls[0]) and (names := read_classes_txt(txt)) is not None:
             self._class_where = str(txt)
@@ -419,10 +415,9 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         counts = index_shards(urls, self.val_fraction if self.held_out else 0.0)
         return [str(i) for i in range(max(c.max_label for c in counts) + 1)]
 
-    def _build_index(self) -> dict[str, SplitIndex]:
-        if self._index is not None:
-            return self._index
-        urls, names, vf = self._urls(), self.class_names, self.val_fraction
+    @functools.cached_property
+    def _index(self) -> dict[str, SplitIndex]:
+        urls, names, vf = self._urls, self.class_names, self.val_fraction
         counts: list[ShardCounts] = []  # with num_samples, labels are checked per sample while reading
         index: dict[str, SplitIndex]
         if self.held_out:
@@ -444,7 +439,6 @@ class ShardDataModule(LabelsOption, ImageDataModule):
             raise ValueError(f"shard labels go up to {max_label} but there are {len(names)} classes ({names[:5]}...)")
         for split, (_, counts_, _, _) in index.items():
             log.info("%s: %s split has %d samples in %d shards", type(self).__name__, split, sum(counts_), len(counts_))
-        self._index = index
         return index
 
     def dataset(
@@ -457,7 +451,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
         """One rank's stream of `split` (None for val when there is no validation data), in whole-batch
         worker pieces of the per-device batch. rank/world_size default to the trainer's or
         torch.distributed's. `decode=False` yields (key, label) only."""
-        index = self._build_index()
+        index = self._index
         if split not in index:
             return None
         urls, counts, part, vf = index[split]
@@ -476,12 +470,11 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     def prepare_data(self) -> None:
         """Count the shards into their index where it is missing or out of date: Lightning runs this on
         local rank 0 while the other ranks wait, so their `setup` reads the index, not the shards."""
-        self._build_index()
+        _ = self._index
 
     def _setup_datasets(self, stage: str | None) -> None:
-        if self.train_dataset is None:
-            make = self.memory_dataset if self.in_memory else self.dataset
-            self.train_dataset, self.val_dataset = make("train"), make("val")
+        make = self.memory_dataset if self.in_memory else self.dataset
+        self.train_dataset, self.val_dataset = make("train"), make("val")
 
     def memory_dataset(self, split: Literal["train", "val"]) -> MemoryImages | None:
         """All of `split` decoded into a MemoryImages (every rank holds all of it; the sampler splits).

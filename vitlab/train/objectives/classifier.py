@@ -24,8 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitlab.data.batch import split_batch
 from vitlab.models import VisionTransformer, create_model
 from vitlab.models.variants import variant_config
-from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed, param_groups
-from vitlab.train.objectives.schedule import lightning_schedule
+from vitlab.train.objectives.optim import ViTOptimization
 
 _COMPILE_PREFIX = "_orig_mod."
 
@@ -118,7 +117,7 @@ def log_training_step(
         module.log("lr", torch.tensor(lr, dtype=torch.float64), on_step=True, on_epoch=False, batch_size=n)
 
 
-class ViTClassifier(L.LightningModule):
+class ViTClassifier(ViTOptimization, L.LightningModule):
     """Image classification with a vitlab ViT: cross-entropy (label smoothing, soft targets),
     AdamW/SGD with weight-decay groups and optional layer-wise LR decay, warm-up + cosine/linear
     per-step schedule, micro-averaged top-1 and (above 5 classes) top-5 accuracy.
@@ -331,24 +330,6 @@ class ViTClassifier(L.LightningModule):
         """Class probabilities [B, C]."""
         x, _ = split_batch(batch, targets=False)
         return self(x).float().softmax(dim=-1)
-
-    # ---- optimisation ----------------------------------------------------------------------------
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        optimizer = build_optimizer(
-            param_groups(self.model, hp.weight_decay, layer_decay=hp.layer_decay, lr=hp.lr), hp.optimizer,
-            lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), momentum=hp.momentum,
-            fused=fused_allowed(self._trainer),
-        )  # fmt: skip
-        return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
-
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
-        # vitlab's clipping keeps fused AdamW/SGD under bf16 (Lightning's refuses them); see clip_gradients.
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

@@ -30,8 +30,7 @@ from torchmetrics import MeanMetric
 from vitlab.data.batch import denormalize, split_batch
 from vitlab.models import VisionTransformer, create_model
 from vitlab.train.objectives.classifier import _plain, log_training_step
-from vitlab.train.objectives.optim import build_optimizer, clip_gradients, fused_allowed, param_groups
-from vitlab.train.objectives.schedule import lightning_schedule
+from vitlab.train.objectives.optim import ViTOptimization, param_groups
 
 Target = Literal["color", "pixels"]
 
@@ -118,7 +117,7 @@ def apply_corruption(patches: torch.Tensor, c: Corruption, fill: torch.Tensor | 
 # ---- the module --------------------------------------------------------------------------------------
 
 
-class MaskedPatchPretraining(L.LightningModule):
+class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
     """Self-supervised pretraining of a vitlab ViT by masked patch prediction; see the module docstring.
 
     `arch` / `model_args` / `img_size` build the encoder exactly as `ViTClassifier` does (so the
@@ -232,14 +231,10 @@ class MaskedPatchPretraining(L.LightningModule):
         return denormalize(x, self.model.data_config["mean"], self.model.data_config["std"]).clamp(0.0, 1.0)
 
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, Corruption]:
-        """Images -> (head outputs for every patch `[B, N, out]`, the corruption applied).
-
-        The corruption is applied to the pixels the tokenizer reads (masked patches set to 0, the
-        data's mean colour; random ones replaced by their source patch) and to the patch embeddings
-        (masked ones replaced by the mask token). For the paper's patch tokenizer this is exactly the
-        embedding corruption; tokenizers whose receptive field spans neighbouring patches (conv, spt)
-        thus cannot read a corrupted patch through its neighbours.
-        """
+        """Images -> (head outputs for every patch `[B, N, out]`, the corruption applied): to the pixels
+        the tokenizer reads (masked patches set to 0, the data's mean colour; random ones replaced by their
+        source patch) and to the patch embeddings (masked ones replaced by the mask token); see the module
+        docstring for why both."""
         hp = self.hparams
         p, grid = self.patch_size, self.model.patch_embed.grid_size
         c = draw_corruption(x.shape[0], grid[0] * grid[1], hp.corrupt_ratio, hp.mask_ratio, hp.random_ratio,
@@ -316,22 +311,14 @@ class MaskedPatchPretraining(L.LightningModule):
 
     # ---- optimisation -------------------------------------------------------------------------------
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def optimizer_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
         groups = param_groups(self.model, hp.weight_decay, lr=hp.lr)
         for group in param_groups(self.mpp_head, hp.weight_decay, lr=hp.lr):
             group["params"] = [(f"mpp_head.{name}", p) for name, p in group["params"]]
             groups.append(group)
         groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr, "lr_scale": 1.0})
-        fused = fused_allowed(self._trainer)
-        optimizer = build_optimizer(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), fused=fused)
-        return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
-
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)  # keeps fused AdamW under bf16
+        return groups
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

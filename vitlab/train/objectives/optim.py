@@ -1,5 +1,6 @@
-"""Optimizer parameter groups (weight-decay split, layer-wise LR decay), the optimizer itself, and
-gradient clipping that keeps fused kernels under bf16 (with the step's shared gradient norm, `grad_step`)."""
+"""Optimizer parameter groups (weight-decay split, layer-wise LR decay), the optimizer itself, gradient
+clipping that keeps fused kernels under bf16 (with the step's shared gradient norm, `grad_step`), and
+`ViTOptimization`, the optimiser hooks vitlab's LightningModules share."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from vitlab.train.grad_step import grad_norm
+from vitlab.train.objectives.schedule import lightning_schedule
 
 try:  # private helper; the fallback covers a torch that moves it
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -157,3 +159,29 @@ def clip_gradients(
     norm = grad_norm(optimizer)
     if norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+
+
+class ViTOptimization:
+    """`configure_optimizers` and `configure_gradient_clipping` for a LightningModule (listed before
+    `L.LightningModule` in its bases) whose hparams hold `lr`, `weight_decay`, `betas`, `warmup_steps`,
+    `schedule`, `min_lr_ratio` and optionally `optimizer`, `momentum`, `layer_decay`. The parameter groups
+    are `optimizer_groups()`: by default those of `self.model`."""
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        hp = self.hparams
+        return param_groups(self.model, hp.weight_decay, layer_decay=hp.get("layer_decay"), lr=hp.lr)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = build_optimizer(
+            self.optimizer_groups(), hp.get("optimizer", "adamw"), lr=hp.lr, weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas), momentum=hp.get("momentum", 0.9), fused=fused_allowed(self._trainer),
+        )  # fmt: skip
+        return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        # vitlab's clipping keeps fused AdamW/SGD under bf16 (Lightning's refuses them); see clip_gradients.
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

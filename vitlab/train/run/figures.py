@@ -30,7 +30,7 @@ from vitlab.analysis.commands import class_names
 from vitlab.analysis.plots import new_figure, save_figure
 from vitlab.data.batch import denormalize, split_batch
 from vitlab.train.objectives.mpp import (
-    CLEAN, KEPT, MASKED, RANDOM, MaskedPatchPretraining, color_of_ids, patchify, unpatchify,
+    CLEAN, KEPT, MASKED, RANDOM, MaskedPatchPretraining, apply_corruption, color_of_ids, patchify, unpatchify,
 )  # fmt: skip
 
 log = logging.getLogger("vitlab")
@@ -399,8 +399,7 @@ class MaskedPatchFigures(ValidationFigures):
         patches = patchify(pixels, p)
         chosen = (c.kind != CLEAN)[..., None]
         # Corrupted view: what each position holds now ([mask] drawn grey, another patch's pixels).
-        held = patches.flatten(0, 1)[c.source.flatten()].view_as(patches)
-        held = torch.where((c.kind == MASKED)[..., None], torch.full_like(held, 0.5), held)
+        held = apply_corruption(patches, c, 0.5)
         if pl_module.hparams.target == "color":
             colors = color_of_ids(out.argmax(dim=-1), pl_module.hparams.color_bits)  # [B, N, 3]
             guess = colors.repeat(1, 1, p * p)  # (p1 p2 c) order: the colour repeated per pixel
