@@ -311,10 +311,8 @@ def _to_tensorboard(run: Path, rows: Sequence[Row], title: str, step: int) -> No
     tb = run / "tensorboard"
     if not tb.is_dir():
         return
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return
+    from torch.utils.tensorboard import SummaryWriter  # tensorboard is a dependency
+
     with SummaryWriter(log_dir=str(tb)) as writer:
         writer.add_figure("val/top1_vs_test_size", figure(rows, title), global_step=step)
 

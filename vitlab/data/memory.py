@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -143,23 +144,18 @@ def crop_resize(
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
+@dataclass
 class BatchAugment:
     """Train batches: uint8 [B, 3, H, W] on the device -> augmented, normalised float; targets mixed
     (MixUp/CutMix) when `mix` is given."""
 
-    def __init__(
-        self,
-        img_size: int,
-        train_crop: TrainCrop,
-        scale_min: float,
-        hflip: bool,
-        mean: Sequence[float],
-        std: Sequence[float],
-        mix: Any = None,
-    ) -> None:
-        self.size = (img_size, img_size)
-        self.train_crop, self.scale_min, self.hflip = train_crop, scale_min, hflip
-        self.mean, self.std, self.mix = list(mean), list(std), mix
+    img_size: int
+    train_crop: TrainCrop
+    scale_min: float
+    hflip: bool
+    mean: Sequence[float]
+    std: Sequence[float]
+    mix: Any = None
 
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor, size: int | None = None
@@ -169,8 +165,8 @@ class BatchAugment:
         x = images.float().div_(255)
         boxes = sample_crop_boxes(n, self.train_crop, self.scale_min, device=x.device)
         flip = torch.rand(n, device=x.device) < 0.5 if self.hflip else None
-        x = crop_resize(x, boxes, self.size if size is None else (size, size), flip)
-        x = TF.normalize(x, self.mean, self.std)
+        x = crop_resize(x, boxes, (size or self.img_size,) * 2, flip)
+        x = TF.normalize(x, list(self.mean), list(self.std))
         if self.mix is not None:
             x, labels = self.mix(x, labels)
         return x, labels

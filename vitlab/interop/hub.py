@@ -181,38 +181,26 @@ def _offline_miss(repo: str, label: str) -> SourceError:
 
 
 def _hub_error(exc: Exception, repo: str, label: str) -> SourceError:
-    from huggingface_hub.errors import (
-        DisabledRepoError,
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import errors
 
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    if isinstance(exc, GatedRepoError):
-        return SourceError(
-            f"{label} is gated: accept its terms on https://huggingface.co/{repo} and set HF_TOKEN "
-            "(or run `hf auth login`) to a token of that account"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return SourceError(f"{label}: the repository has no such revision (a branch, tag or commit hash)")
-    if isinstance(exc, RepositoryNotFoundError):
-        return SourceError(
-            f"{label}: no such repository on the Hub ({status or 404}); check ORG/NAME, or set HF_TOKEN "
-            "if it is private"
-        )
-    if isinstance(exc, DisabledRepoError):
-        return SourceError(f"{label}: the repository is disabled on the Hub")
-    if isinstance(exc, HFValidationError):
-        return SourceError(f"{label}: not a valid repository name ({_first_line(exc)})")
-    if isinstance(exc, HfHubHTTPError) and status in (401, 403):
-        return SourceError(f"{label}: the Hub refused access ({status}); set HF_TOKEN to a valid token")
-    if isinstance(exc, HfHubHTTPError):
-        return SourceError(f"{label}: the Hub answered {status or 'an error'} ({_first_line(exc)})")
-    if isinstance(exc, OSError):
-        return SourceError(f"{label}: cannot download ({type(exc).__name__}: {_first_line(exc)})")
+    detail = _first_line(exc)
+    # The first that matches: the specific Hub errors subclass HfHubHTTPError.
+    for kind, why in (
+        (errors.GatedRepoError, f" is gated: accept its terms on https://huggingface.co/{repo} and set HF_TOKEN "
+                                "(or run `hf auth login`) to a token of that account"),
+        (errors.RevisionNotFoundError, ": the repository has no such revision (a branch, tag or commit hash)"),
+        (errors.RepositoryNotFoundError, f": no such repository on the Hub ({status or 404}); check ORG/NAME, or "
+                                         "set HF_TOKEN if it is private"),
+        (errors.DisabledRepoError, ": the repository is disabled on the Hub"),
+        (errors.HFValidationError, f": not a valid repository name ({detail})"),
+        (errors.HfHubHTTPError if status in (401, 403) else (), f": the Hub refused access ({status}); set HF_TOKEN "
+                                                               "to a valid token"),
+        (errors.HfHubHTTPError, f": the Hub answered {status or 'an error'} ({detail})"),
+        (OSError, f": cannot download ({type(exc).__name__}: {detail})"),
+    ):  # fmt: skip
+        if isinstance(exc, kind):
+            return SourceError(label + why)
     raise exc
 
 

@@ -338,10 +338,7 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         for key in ("state_dict", "current_model_state"):
             if key in checkpoint:
                 checkpoint[key] = {k.replace(_COMPILE_PREFIX, ""): v for k, v in checkpoint[key].items()}
-        checkpoint["vitlab"] = {
-            "model_config": _plain(self.model.config),
-            "data_config": _plain(self.model.data_config),
-        }
+        checkpoint["vitlab"] = _plain({"model_config": self.model.config, "data_config": self.model.data_config})
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Map saved `model.<name>` keys back onto a model that was wrapped by `torch.compile(model)`.

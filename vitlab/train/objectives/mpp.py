@@ -324,7 +324,4 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # What `load_pretrained` reads to rebuild the encoder (the same record a classifier writes).
-        checkpoint["vitlab"] = {
-            "model_config": _plain(self.model.config),
-            "data_config": _plain(self.model.data_config),
-        }
+        checkpoint["vitlab"] = _plain({"model_config": self.model.config, "data_config": self.model.data_config})

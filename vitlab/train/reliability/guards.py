@@ -209,12 +209,8 @@ class RunDirError(RuntimeError):
     """The run folder cannot be written, or its disk lacks room for the run's checkpoints."""
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
@@ -239,8 +235,8 @@ def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
         free = shutil.disk_usage(path).free
         if free < need_bytes:
             raise RunDirError(
-                f"not enough free disk space for run folder {path}: about {_fmt_bytes(need_bytes)} needed"
-                f"{' (' + what + ')' if what else ''}, {_fmt_bytes(free)} available; free some space or "
+                f"not enough free disk space for run folder {path}: about {_mib(need_bytes)} needed"
+                f"{' (' + what + ')' if what else ''}, {_mib(free)} available; free some space or "
                 "choose another --run_dir"
             )
 
@@ -248,10 +244,9 @@ def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
 class RunDirCheck(Callback):
     """At the start of fit (rank 0 checks, every rank raises): the run folder is writable and its disk
     has room for `keep` checkpoints (best, last and the temporary copy of an atomic write) plus
-    `margin_bytes` for logs. `run_dir` defaults to the trainer's default_root_dir."""
+    `margin_bytes` for logs. The run folder is the trainer's default_root_dir (vitlab's --run_dir)."""
 
-    def __init__(self, run_dir: _PATH | None = None, keep: int = 3, margin_bytes: int = 64 * 2**20) -> None:
-        self.run_dir = run_dir
+    def __init__(self, keep: int = 3, margin_bytes: int = 64 * 2**20) -> None:
         self.keep = keep
         self.margin_bytes = margin_bytes
 
@@ -260,7 +255,6 @@ class RunDirCheck(Callback):
             return
         error = None
         if trainer.is_global_zero:
-            run_dir = self.run_dir if self.run_dir is not None else trainer.default_root_dir
             # weights + buffers, the optimizer's moments (1 copy of the trainable weights for SGD, 2 for Adam)
             # and an averaged copy under EMA
             size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -270,9 +264,9 @@ class RunDirCheck(Callback):
             trainable = size(p for p in pl_module.parameters() if p.requires_grad)
             per_ckpt = weights + slots * trainable + (weights if averaged else 0)
             need = self.keep * per_ckpt + self.margin_bytes
-            what = f"{self.keep} checkpoints of ~{_fmt_bytes(per_ckpt)} (weights + optimizer state) + logs"
+            what = f"{self.keep} checkpoints of ~{_mib(per_ckpt)} (weights + optimizer state) + logs"
             try:
-                check_run_dir(run_dir, need, what)
+                check_run_dir(trainer.default_root_dir, need, what)
             except RunDirError as exc:
                 error = str(exc)
         error = trainer.strategy.broadcast(error, src=0)

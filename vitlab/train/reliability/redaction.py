@@ -79,14 +79,10 @@ def redact(obj: Any, secrets: Iterable[str] | None = None) -> Any:
     """A copy of `obj` (dicts, lists, tuples, jsonargparse Namespaces, strings; anything else as is)
     with secret values and the values of secret-looking keys replaced by `<redacted>`."""
     secrets = secret_values() if secrets is None else list(secrets)
-    return _redact(obj, secrets)
-
-
-def _redact(obj: Any, secrets: list[str]) -> Any:
     if isinstance(obj, str):
         return redact_text(obj, secrets)
     if isinstance(obj, Mapping):
-        out = {k: REDACTED if _is_secret_item(k, v) else _redact(v, secrets) for k, v in obj.items()}
+        out = {k: REDACTED if _is_secret_item(k, v) else redact(v, secrets) for k, v in obj.items()}
         try:
             return type(obj)(out)  # AttributeDict, OrderedDict...
         except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
@@ -94,12 +90,12 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
     if hasattr(obj, "clone") and hasattr(obj, "items") and callable(getattr(obj, "items")):  # jsonargparse Namespace
         ns = obj.clone()
         for key, value in obj.items():
-            ns[key] = REDACTED if _is_secret_item(key, value) else _redact(value, secrets)
+            ns[key] = REDACTED if _is_secret_item(key, value) else redact(value, secrets)
         return ns
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_redact(v, secrets) for v in obj)
+        return tuple(redact(v, secrets) for v in obj)
     if isinstance(obj, list):
-        return [_redact(v, secrets) for v in obj]
+        return [redact(v, secrets) for v in obj]
     return obj
 
 

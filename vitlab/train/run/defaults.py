@@ -77,18 +77,16 @@ class HeadlineTensorBoardLogger(TensorBoardLogger):
 def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None = None) -> list[Logger]:
     """TensorBoard and CSV by default (no account, no network); wandb when asked for."""
     run_dir = Path(run_dir)
-    loggers: list[Logger] = []
+    make = {
+        # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
+        "tensorboard": lambda: HeadlineTensorBoardLogger(str(run_dir), "tensorboard", "", default_hp_metric=False),
+        "csv": lambda: CSVLogger(save_dir=str(run_dir), name="csv", version=""),
+        "wandb": lambda: _wandb_logger(run_dir, ckpt_path),
+    }
     for name in names:
-        if name == "tensorboard":
-            # No `hp_metric` placeholder (-1): the hparams view lists the config; val/acc1 is a scalar.
-            loggers.append(HeadlineTensorBoardLogger(str(run_dir), "tensorboard", "", default_hp_metric=False))
-        elif name == "csv":
-            loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
-        elif name == "wandb":
-            loggers.append(_wandb_logger(run_dir, ckpt_path))
-        else:
+        if name not in make:
             raise ValueError(f"unknown logger {name!r}; choose from tensorboard, csv, wandb")
-    return loggers
+    return [make[name]() for name in names]
 
 
 class RememberWandbRun(Callback):
@@ -148,11 +146,8 @@ def run_callbacks(
         )
     # Masked patch prediction draws its corrupted and predicted patches; a prediction grid means nothing there.
     figures = MaskedPatchFigures if isinstance(model, MaskedPatchPretraining) else ValidationFigures
-    for kind in (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, figures, FinetuneSource, ImgSizeSchedule):
-        if not has(kind):
-            extra.append(kind())
-    if not has(RunDirCheck):
-        extra.append(RunDirCheck(run_dir))
+    kinds = (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, figures, FinetuneSource, ImgSizeSchedule)
+    extra += [kind() for kind in (*kinds, RunDirCheck) if not has(kind)]
     return extra
 
 
