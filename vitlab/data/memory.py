@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch

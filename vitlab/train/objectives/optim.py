@@ -173,9 +173,10 @@ class ViTOptimization:
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        optional = {k: hp[k] for k in ("optimizer", "momentum") if k in hp}  # else build_optimizer's defaults
         optimizer = build_optimizer(
-            self.optimizer_groups(), hp.get("optimizer", "adamw"), lr=hp.lr, weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas), momentum=hp.get("momentum", 0.9), fused=fused_allowed(self._trainer),
+            self.optimizer_groups(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+            fused=fused_allowed(self._trainer), **optional,
         )  # fmt: skip
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
 
