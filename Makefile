@@ -1,4 +1,4 @@
-# vitlab: `make pretrain` (Tiny-ImageNet-200, 32px), then `make finetune` (Imagenette, 64px);
+# vitlab: `make pretrain` (Tiny-ImageNet-200, 16 -> 32px), then `make finetune` (Imagenette, 64px);
 # `make test` checks everything.
 #
 #   RECIPE=  recipe YAML (defaults below)      DATA=   image folder, shard folder(s), cifar10 or cifar100

@@ -52,7 +52,7 @@ RECIPES = {
 def datamodule(recipe: dict, data: Path, in_memory: bool):
     from vitlab.data import ShardDataModule
 
-    args = {k: v for k, v in recipe["data"]["init_args"].items() if k not in ("train_shards", "val_shards", "source")}
+    args = {k: v for k, v in recipe["data"]["init_args"].items() if k not in ("train_shards", "val_shards", "source", "img_size_schedule")}
     val = {"val_shards": str(data / "val")} if (data / "val").is_dir() else {}
     dm = ShardDataModule(str(data / "train"), **val, **{**args, "in_memory": in_memory})
     dm.setup("fit")
