@@ -1,4 +1,4 @@
-# vitlab: `make pretrain` (Tiny-ImageNet-200, 16 -> 32px), then `make finetune` (Imagenette, 64px);
+# vitlab: `make pretrain` (Tiny-ImageNet-200, 16 -> 32px), then `make finetune` (Imagenette, 72px);
 # `make test` checks everything.
 #
 #   RECIPE=  recipe YAML (defaults below)      DATA=   image folder, shard folder(s), cifar10 or cifar100
@@ -17,7 +17,7 @@ PYTHON ?= python3
 VITLAB := $(VENV)/bin/vitlab
 
 PRETRAIN_RECIPE ?= recipes/pretrain/tinyimagenet_vit_cpu.yaml
-FINETUNE_RECIPE ?= recipes/finetune/imagenette_64px_cpu.yaml
+FINETUNE_RECIPE ?= recipes/finetune/imagenette_72px_cpu.yaml
 PRETRAIN_RUN    ?= runs/pretrain
 FINETUNE_RUN    ?= runs/finetune
 SHARED_SUBSET   ?= ../shared/data/cifar10-subset

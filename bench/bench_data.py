@@ -42,8 +42,8 @@ RECIPES = {
         ROOT / "recipes/pretrain/tinyimagenet_vit_cpu.yaml",
         SHARED / "tinyimagenet-200-shards",
     ),
-    "fine-tune (Imagenette, 64px)": (
-        ROOT / "recipes/finetune/imagenette_64px_cpu.yaml",
+    "fine-tune (Imagenette, 72px)": (
+        ROOT / "recipes/finetune/imagenette_72px_cpu.yaml",
         SHARED / "imagenette-128-shards",
     ),
 }

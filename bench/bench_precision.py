@@ -1,6 +1,6 @@
 """Training speed of the CPU recipes' model under 32-true and bf16-mixed, in one process, interleaved.
 
-For each recipe's model (the pretraining recipe at 32 px, the fine-tune recipe at 64 px, with their batch
+For each recipe's model (the pretraining recipe at 32 px, the fine-tune recipe at 72 px, with their batch
 size): training images/s of the module's own step (forward, loss, backward, clipping at the recipe's
 norm, fused AdamW step) in float32 and under bf16 autocast, eager and (with --compile) with the model
 compiled, and the bf16/fp32 ratio. Random images: the data path is timed elsewhere (bench_data.py).
@@ -33,7 +33,7 @@ from vitlab.train.run.defaults import cpu_has_fast_bf16  # noqa: E402
 
 RECIPES = {  # recipe, number of classes of its data
     "pretrain_tinyimagenet_32px": ("recipes/pretrain/tinyimagenet_vit_cpu.yaml", 200),
-    "finetune_imagenette_64px": ("recipes/finetune/imagenette_64px_cpu.yaml", 10),
+    "finetune_imagenette_72px": ("recipes/finetune/imagenette_72px_cpu.yaml", 10),
 }
 
 

@@ -101,7 +101,7 @@ OVERRIDES: dict[str, list[str]] = {
                                             *BATCH],  # fmt: skip
     "finetune/cifar10_vit_tiny_64px_cpu": [*SMALL_CONV, *CIFAR10, *BATCH, *FROM_PRETRAINED],
     "finetune/cifar100_to_cifar10_64px_gpu": [*GPU1, *SMALL_CONV, *CIFAR10, *BATCH, *FROM_PRETRAINED],
-    "finetune/imagenette_64px_cpu": [*SMALL_CONV, *IMAGENETTE, *BATCH, *FROM_PRETRAINED],
+    "finetune/imagenette_72px_cpu": [*SMALL_CONV, *IMAGENETTE, *BATCH, *FROM_PRETRAINED],
     "finetune/imagenette_128px_gpu": [*GPU1, *SMALL, *IMAGENETTE, *BATCH, *FROM_PRETRAINED],
     "finetune/imagenette_deit_distill_cpu": [*SMALL_INIT, "--model.init_args.teacher={teacher}", *IMAGENETTE, *BATCH],
     "finetune/imagenet1k_vit_base16_384": [*DDP2, *SMALL, "--trainer.val_check_interval=2",
@@ -115,7 +115,7 @@ OVERRIDES: dict[str, list[str]] = {
 PRETRAINED_BY = {
     "finetune/cifar10_vit_tiny_64px_cpu": "pretrain/cifar10_vit_tiny_cpu",
     "finetune/cifar100_to_cifar10_64px_gpu": "pretrain/cifar100_vit_gpu",
-    "finetune/imagenette_64px_cpu": "pretrain/tinyimagenet_vit_cpu",
+    "finetune/imagenette_72px_cpu": "pretrain/tinyimagenet_vit_cpu",
     "finetune/imagenette_128px_gpu": "pretrain/tinyimagenet_vit_gpu",
     "finetune/imagenet1k_vit_base16_384": "pretrain/imagenet21k_vit_base16",
 }
@@ -363,7 +363,7 @@ def tiny_tree(cifar_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 def test_recipes_exist() -> None:
     names = {f"{p.parent.name}/{p.name}" for p in RECIPES}
-    assert {"pretrain/tinyimagenet_vit_cpu.yaml", "finetune/imagenette_64px_cpu.yaml", "pretrain/imagenette_scratch_cpu.yaml",
+    assert {"pretrain/tinyimagenet_vit_cpu.yaml", "finetune/imagenette_72px_cpu.yaml", "pretrain/imagenette_scratch_cpu.yaml",
             "pretrain/cifar10_vit_tiny_cpu.yaml", "finetune/cifar10_vit_tiny_64px_cpu.yaml"} <= names
 
 
@@ -428,4 +428,4 @@ def test_make_targets_pass_a_command_line_the_cli_accepts(
         if "ARGS=--trainer.max_epochs=3" in variables:
             assert cli.trainer.max_epochs == 3
         if target == "finetune":
-            assert cli.model.model.patch_embed.img_size == (64, 64)
+            assert cli.model.model.patch_embed.img_size == (72, 72)

@@ -28,7 +28,6 @@ from helpers import shard_tree
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "recipes/pretrain/tinyimagenet_vit_cpu.yaml"
-FINETUNE = REPO / "recipes/finetune/imagenette_64px_cpu.yaml"
 SCRATCH = REPO / "recipes/pretrain/imagenette_scratch_cpu.yaml"
 CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1"]
 
@@ -242,7 +241,7 @@ FEW_STEPS = (
 
 
 @pytest.mark.slow
-def test_pretrain_then_finetune_at_64px_through_make(
+def test_pretrain_then_finetune_at_72px_through_make(
     tinyimagenet_shards: Path, imagenette_shards: Path, tmp_path: Path
 ) -> None:
     make("pretrain", f"DATA={tinyimagenet_shards}", f"RUN={tmp_path / 'pre'}", FEW_STEPS)
@@ -255,12 +254,12 @@ def test_pretrain_then_finetune_at_64px_through_make(
          FEW_STEPS, "RESOLUTION_ARGS=--limit-batches 1")  # fmt: skip
     # make finetune ends with the resolution sweep: source and fine-tuned model, around both sizes
     rows = json.loads((tmp_path / "ft/resolution/resolution.json").read_text())["rows"]
-    assert {r["trained_img_size"] for r in rows} == {32, 64}  # the source and the fine-tuned model
-    assert {32, 64} <= {r["img_size"] for r in rows} and all(0 <= r["acc1"] <= 1 for r in rows if r["acc1"] is not None)
+    assert {r["trained_img_size"] for r in rows} == {32, 72}  # the source and the fine-tuned model
+    assert {32, 72, 88} <= {r["img_size"] for r in rows} and all(0 <= r["acc1"] <= 1 for r in rows if r["acc1"] is not None)
     ft = torch.load(tmp_path / "ft/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
     assert ft["vitlab"]["data_config"]["class_names"] == lines(imagenette_shards / "train/classes.txt")
-    assert ft["vitlab"]["model_config"]["img_size"] == [64, 64]
-    assert ft["state_dict"]["model.pos_embed"].shape == (1, 64, 192)  # 8x8 tokens at 64px
+    assert ft["vitlab"]["model_config"]["img_size"] == [72, 72]
+    assert ft["state_dict"]["model.pos_embed"].shape == (1, 81, 192)  # 9x9 tokens at 72px
     assert ft["state_dict"]["model.head.weight"].shape == (10, 192)
     # the encoder came from the pretraining: three small steps moved the tokenizer only a little
     w0, w1 = (
