@@ -392,7 +392,7 @@ def test_figure_images_are_spread_over_the_classes(tmp_path: Path) -> None:
     labels = [int(dm.val_dataset[i][1]) for i in range(18)]
     assert labels == [0] * 6 + [1] * 6 + [2] * 6  # the folder is class-sorted
     picks = [0, 6, 12, 1, 7, 13]  # first of airplane, frog, truck; then the second of each
-    assert torch.cat(figures._targets).tolist() == [0, 1, 2, 0, 1, 2]
+    assert figures.targets.tolist() == [0, 1, 2, 0, 1, 2]
     torch.testing.assert_close(figures.images, torch.stack([dm.val_dataset[i][0] for i in picks]))
 
 

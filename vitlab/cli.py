@@ -241,8 +241,7 @@ def run_tool(argv: list[str]) -> int:
     elif args.tool == "explain":
         print(commands.explain(args.ckpt, args.image, args.out))
     elif args.tool == "inspect":
-        for path in commands.inspect(args.ckpt, args.out, images=args.images):
-            print(path)
+        print(*commands.inspect(args.ckpt, args.out, images=args.images), sep="\n")
     return 0
 
 
@@ -279,7 +278,10 @@ def _run(argv: list[str]) -> int:
     except BaseException:
         _finish_wandb(failed=True)
         raise
-    _end_process_group()
+    # Lightning destroys NCCL process groups at exit, not gloo ones, and a gloo group left to the interpreter's
+    # shutdown can abort a run that ended well (SIGABRT); a failed run keeps its group, so other ranks see it fail.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     _finish_wandb(failed=False)
     return 0
 
@@ -321,14 +323,6 @@ def _finish_wandb(failed: bool) -> None:
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish(exit_code=1 if failed else 0)
-
-
-def _end_process_group() -> None:
-    """Destroy the DDP process group after a run that ended well. Lightning destroys NCCL groups at exit, not
-    gloo ones: a gloo group left to the interpreter's shutdown can abort the process (SIGABRT) after a good
-    run. A failed run keeps its group, so the other ranks see this one fail, not its group close."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -182,16 +182,11 @@ class ValidationFigures(Callback):
         self.confmat: MulticlassConfusionMatrix | None = None
         self._by_class: dict[int, list[torch.Tensor]] = {}  # candidates, in the order they arrived
         self._classes = self._per_class = 1  # how many classes the grid shows, and images of each
-        self._images: list[torch.Tensor] = []
-        self._targets: list[torch.Tensor] = []
+        self.images: torch.Tensor | None = None  # the fixed sample [n, C, H, W] (normalised, CPU), once taken
+        self.targets: torch.Tensor | None = None
         self._frozen = False
         self._confmat_updates = 0
         self._warned_fsdp = False
-
-    @property
-    def images(self) -> torch.Tensor | None:
-        """The fixed sample `[n, C, H, W]` (normalised, CPU), None before the first validation batch."""
-        return torch.cat(self._images)[: self.num_images] if self._images else None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         model = _vit(pl_module)
@@ -243,8 +238,8 @@ class ValidationFigures(Callback):
         picks = [(kept[rank], label) for rank in range(self._per_class) for label, kept in self._by_class.items()
                  if rank < len(kept)][: self.num_images]  # fmt: skip
         if picks:
-            self._images = [torch.stack([img for img, _ in picks])]
-            self._targets = [torch.tensor([label for _, label in picks])]
+            self.images = torch.stack([img for img, _ in picks])
+            self.targets = torch.tensor([label for _, label in picks])
         self._by_class = {}
         self._frozen = True
 
@@ -271,7 +266,7 @@ class ValidationFigures(Callback):
         if off_epoch or not (self.save_png or trainer.loggers):  # the same on every rank: FSDP ranks stay in step
             return
         with _full_weights(trainer):
-            if trainer.is_global_zero and self._images:
+            if trainer.is_global_zero and self.images is not None:
                 self._draw_samples(trainer, pl_module)
 
     def _validated(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
@@ -286,7 +281,7 @@ class ValidationFigures(Callback):
         model = _vit(self._validated(trainer, pl_module))
         param = next(model.parameters())
         x = self.images.to(param.device, dtype=param.dtype if param.is_floating_point() else None)
-        y = torch.cat(self._targets)[: len(x)]
+        y = self.targets
         with _evaluating(trainer, model):
             if hasattr(model, "forward_attention"):
                 logits, heat = last_layer_attention(model, x)
