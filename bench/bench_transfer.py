@@ -29,7 +29,7 @@ load average.
     python bench/bench_transfer.py --quick         # smoke run: a few steps each
     python bench/bench_transfer.py --mpp           # also masked patch prediction pretraining, same budgets
     python bench/bench_transfer.py --progressive   # also progressive-resize pretraining (+~20 min)
-    python bench/bench_transfer.py --patch         # also the patch-size pair (+~2 h)
+    python bench/bench_transfer.py --patch         # also the patch-size pair (+~1 h)
     python bench/bench_transfer.py --no-scratch --no-32px --progressive   # progressive vs fixed only (~50 min)
 """
 
