@@ -1,13 +1,14 @@
 """Progressive resizing (`data.img_size_schedule`): the sizes the model trains at per epoch through
-`vitlab fit` (streaming image folder, in-memory shards), the same switch step on 2 DDP ranks, the
-schedule continued by a resumed run, position embeddings resampled from the full grid every time
-(checked against timm), and a size the patch cannot divide refused before training."""
+`vitlab fit` (image folder, streamed and in-memory shards, HF dataset, CIFAR files), the same switch
+step on 2 DDP ranks, the schedule continued by a resumed run, position embeddings resampled from the
+full grid every time (checked against timm), and a size the patch cannot divide refused before training."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import pickle
 import signal
 import tarfile
 import time
@@ -131,6 +132,30 @@ def shard_data(shards: Path, val: Path, in_memory: bool) -> dict:
     return {"class_path": "vitlab.data.ShardDataModule", "init_args": args}
 
 
+def hf_data(root: Path, cache: Path) -> dict:
+    args = {"path": "imagefolder", "data_dir": str(root), "cache_dir": str(cache), "img_size": 32, "batch_size": 8,
+            "num_workers": 1, "train_crop": "rrc", "auto_augment": None, "crop_pct": 1.0,
+            "img_size_schedule": SCHEDULE}  # fmt: skip
+    return {"class_path": "vitlab.data.HFDataModule", "init_args": args}
+
+
+def cifar_data(root: Path) -> dict:
+    """torchvision's CIFAR-10 files, generated: 24 train images (3 steps of 8) and 10 test images, on which
+    it validates (`validate_on_test`), so the step count does not hang on the held-out split's rounding."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for name, n in (("data_batch_1", 24), ("test_batch", 10), *((f"data_batch_{i}", 0) for i in range(2, 6))):
+        pixels = torch.randint(0, 256, (n, 3 * 32 * 32), generator=gen, dtype=torch.uint8).numpy()
+        with open(folder / name, "wb") as fh:
+            pickle.dump({"data": pixels, "labels": [i % 10 for i in range(n)]}, fh)
+    with open(folder / "batches.meta", "wb") as fh:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, fh)
+    args = {"root": str(root), "download": False, "validate_on_test": True, "img_size": 32, "batch_size": 8,
+            "num_workers": 1, "train_crop": "rrc", "auto_augment": None, "img_size_schedule": SCHEDULE}  # fmt: skip
+    return {"class_path": "vitlab.data.CIFARDataModule", "init_args": args}
+
+
 def sizes_by_epoch(rows: list) -> dict[int, set]:
     out: dict[int, set] = {}
     for epoch, _, side, model_size in rows:
@@ -142,13 +167,23 @@ def expected_by_epoch() -> dict[int, set]:
     return {e: {(s, None if s == 32 else (s, s))} for e, s in EXPECTED.items()}
 
 
-@pytest.mark.parametrize("path", ["folder", "memory", "stream"])
-def test_schedule_switches_at_the_listed_epochs(path: str, tree: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["folder", "memory", "stream", "hf", "cifar"])
+def test_schedule_switches_at_the_listed_epochs(
+    path: str, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every train batch of an epoch, and the model, at the scheduled size; validation at the full 32.
-    Image folder and streamed shards: a persistent DataLoader worker crops; in-memory shards: the batch
-    augmentation on the device."""
+    Image folder, HF dataset, CIFAR files and streamed shards: a persistent DataLoader worker crops;
+    in-memory shards: the batch augmentation on the device."""
     if path == "folder":
         data = folder_data(tree)
+    elif path == "hf":
+        data = hf_data(tree, tmp_path / "hf_cache")
+    elif path == "cifar":
+        import torchvision.datasets.cifar
+
+        # The files are generated, not the release: skip torchvision's md5 checks.
+        monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
+        data = cifar_data(tmp_path / "cifar")
     else:
         shards, val = write_shards(tree, tmp_path / "shards"), write_shards(tree, tmp_path / "val")
         data = shard_data(shards, val, in_memory=path == "memory")
