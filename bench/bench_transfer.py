@@ -29,8 +29,9 @@ load average.
     python bench/bench_transfer.py --quick         # smoke run: a few steps each
     python bench/bench_transfer.py --mpp           # also masked patch prediction pretraining, same budgets
     python bench/bench_transfer.py --progressive   # also progressive-resize pretraining (+~20 min)
-    python bench/bench_transfer.py --patch         # also the patch-size pair (+~1 h)
+    python bench/bench_transfer.py --patch         # also the patch-size pair (+~70 min)
     python bench/bench_transfer.py --no-scratch --no-32px --progressive   # progressive vs fixed only (~50 min)
+    python bench/bench_transfer.py --no-scratch --no-fixed --patch        # the patch-size pair alone (~70 min)
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def table(rows: list[Row]) -> str:
 
 def gains(rows: dict[str, Row]) -> list[str]:
     def diff(a: str, b: str) -> str:
+        if a not in rows or b not in rows:  # a row left out (--no-fixed)
+            return "-"
         x, y = rows[a].val_acc1, rows[b].val_acc1
         return "-" if x is None or y is None else f"{100 * (x - y):+.1f} points"
 
@@ -183,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also a patch-4 pretraining and its 64px fine-tune at patch 8 (PI-resized) and at patch 4")
     p.add_argument("--no-scratch", action="store_true", help="leave out the two from-scratch rows")
     p.add_argument("--no-32px", action="store_true", help="leave out the 32px transfer row")
+    p.add_argument("--no-fixed", action="store_true",
+                   help="leave out the fixed 32px pretraining and its transfer rows (for --patch or --mpp alone)")
     p.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = p.parse_args(argv)
+    if args.no_fixed and args.progressive:
+        p.error("--progressive is measured against the fixed pretraining; drop --no-fixed")
     for d in (args.pretrain_data, args.finetune_data):
         if not Path(d).is_dir():
             raise SystemExit(
@@ -223,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         ("scratch, fine-tune budget", "scratch-short", SCRATCH, ft_data, e_ft, n_ft, []),
         ("scratch, whole budget", "scratch-long", SCRATCH, ft_data, e_whole, n_ft, []),
     ]  # fmt: skip
-    plan = [  # (row, run folder, recipe, data, epochs, train images, extra flags)
-        *scratch,
+    fixed = [] if args.no_fixed else [
         ("pretrain (Tiny-ImageNet)", "pretrain", PRETRAIN, pre_data, e_pre, n_pre, FIXED_SIZE),
         *([] if args.no_32px else [("transfer@32px", "finetune-32px", FINETUNE, ft_data, e_32, n_ft,
                                     ["--data.img_size=32", f"--model.init_from={pre_ckpt}"])]),
         ("transfer@64px", "finetune-64px", FINETUNE, ft_data, e_ft, n_ft, [f"--model.init_from={pre_ckpt}"]),
     ]  # fmt: skip
+    plan = [*scratch, *fixed]  # (row, run folder, recipe, data, epochs, train images, extra flags)
     if args.progressive:
         e_prog = 1 if args.quick else PROGRESSIVE_EPOCHS
         prog_ckpt = args.out / "pretrain-progressive/checkpoints/last.ckpt"
