@@ -37,7 +37,7 @@ from vitlab.models import create_model
 from vitlab.train import EMA, ViTClassifier, flops_per_image
 from vitlab.train.run import figures as figures_module
 from vitlab.train.run.figures import ValidationFigures, last_layer_attention
-from vitlab.train.run.defaults import WANDB_ID_KEY
+from vitlab.train.run.loggers import WANDB_ID_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}

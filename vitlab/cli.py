@@ -125,7 +125,8 @@ class VitlabCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         from vitlab.train.run.callbacks import image_flops_summary
-        from vitlab.train.run.defaults import cpu_precision, run_callbacks, run_loggers, run_plugins
+        from vitlab.train.run.defaults import cpu_precision, run_callbacks, run_plugins
+        from vitlab.train.run.loggers import run_loggers
 
         run_dir = Path(self._get(self.config, "run_dir"))
         trainer_cfg = self._get(self.config_init, "trainer", default={})
