@@ -24,6 +24,7 @@ from vitlab.analysis import (
     plot_patch_components,
     plot_pos_embed_similarity,
     plot_rollout,
+    pooling_weights,
     pos_embed_similarity,
 )
 from vitlab.interop import save_pretrained
@@ -170,6 +171,25 @@ def test_rollout_gap_model():
         assert torch.allclose(attention_rollout(attn, 0, (4, 4), pool="avg"), torch.ones(2, 4, 4))
     with pytest.raises(ValueError, match="class token"):
         attention_rollout(attn, 0, (4, 4), pool="token")
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, dict(class_token=False, pool="avg"), dict(class_token=False, pool="seq"), dict(distilled=True)],
+    ids=["token", "avg", "seq", "distilled"],
+)
+def test_pooling_weights_are_the_token_mixture_the_model_pools(kw):
+    """`pooling_weights(model, x) @ tokens` is the model's own pooled token, for every pooling type."""
+    torch.manual_seed(0)
+    model = tiny_vit(**kw)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        tokens = model.forward_features(x)
+        weights = pooling_weights(model, x)
+        assert weights.shape == tokens.shape[:2]
+        assert torch.allclose(weights.sum(dim=-1), torch.ones(3), atol=1e-6)
+        torch.testing.assert_close(torch.einsum("bn,bnd->bd", weights, tokens), model.pool_tokens(tokens))
+    if kw.get("pool") == "seq":  # learned, so each image its own
+        assert not torch.allclose(weights[0], weights[1])
 
 
 def test_rollout_query_weights_and_discard_ratio():

@@ -299,9 +299,16 @@ def test_resolution_command_table_json_and_one_curve_per_checkpoint(
         lo, hi = zip(*im.convert("RGB").getextrema())
         assert max(hi) - min(lo) > 100
 
+    from vitlab.interop import recorded_test_size
+
+    assert recorded_test_size(runs["source"]) is None  # --ckpt records only with --record
+
     # Explicit --data gives the same rows as the recorded data (the same folder).
-    rc = main(["--ckpt", str(runs["finetune"]), "--data", str(runs["data"]), "--sizes", "48", "--out", str(out / "b")])
+    rc = main(["--ckpt", str(runs["finetune"]), "--data", str(runs["data"]), "--sizes", "48", "--out", str(out / "b"),
+               "--record"])  # fmt: skip
     assert rc == 0
+    assert f"recorded test size 48x48 (crop 0.9) in {runs['finetune']}: top-1" in capsys.readouterr().out
+    assert recorded_test_size(runs["finetune"]).img_size == (48, 48)
     again = json.loads((out / "b" / "resolution.json").read_text())["rows"][0]
     first = next(r for r in rows if r["label"] == "finetune/last.ckpt" and r["img_size"] == 48)
     assert (again["acc1"], again["loss"]) == (first["acc1"], first["loss"])
@@ -319,7 +326,9 @@ def test_resolution_command_table_json_and_one_curve_per_checkpoint(
     ],
     ids=["patch-token", "conv-seq", "spt-avg-sincos", "resnet", "distilled"],
 )
-def test_the_sweep_scores_every_tokenizer_and_pooling(options: dict, tmp_path: Path) -> None:
+def test_the_sweep_scores_every_tokenizer_and_pooling(
+    options: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Untrained models saved with `save_pretrained` (no recorded data module: `--data` and the model's
     preprocessing), against the images run through `eval_transform` and a model loaded at that size."""
     from helpers import image_tree
@@ -332,7 +341,9 @@ def test_the_sweep_scores_every_tokenizer_and_pooling(options: dict, tmp_path: P
     data = image_tree(tmp_path / "data", CLASSES, 1, 4)
     args = {**dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3), **options}
     folder = save_pretrained(perturb(VisionTransformer(**args), std=0.2), tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
     rows = {r.img_size: r for r in sweep(str(folder), str(data), [4, 16, 20, 32])}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "model"]  # scoring writes nothing (no figures)
     if args["patch_size"] == 8:  # sizes the tokenizer cannot take are skipped, with the reason
         assert "img_size 4x4 is not a multiple of patch_size 8" in rows[4].skipped
         assert "img_size 20x20 is not a multiple of patch_size 8" in rows[20].skipped
@@ -357,7 +368,8 @@ def test_finetune_report_draws_the_source_and_the_fine_tuned_model_around_both_s
     from vitlab.analysis.resolution import finetune_report
 
     run = runs["tmp"] / "finetune"
-    events_before = set((run / "tensorboard").glob("events.*"))
+    events = lambda: set(run.glob("events.*")) | set(run.glob("tensorboard/events.*"))  # noqa: E731
+    events_before = events()
     json_path, png = finetune_report(run)
     assert json_path == run / "resolution" / "resolution.json" and png.is_file()
     rows = json.loads(json_path.read_text())["rows"]
@@ -367,7 +379,37 @@ def test_finetune_report_draws_the_source_and_the_fine_tuned_model_around_both_s
     ]
     assert all(r["acc1"] is not None and r["images"] == len(CLASSES) * N_VAL for r in rows)
     assert {(r["label"], r["trained_img_size"]) for r in rows} == {("pretrained source", 32), ("fine-tuned", 48)}
-    assert set((run / "tensorboard").glob("events.*")) - events_before  # the figure went to TensorBoard
+    assert events() - events_before  # the figure went to TensorBoard
+    # The fine-tuned model's best validation size is recorded in its checkpoint as its test size.
+    from vitlab.interop import recorded_test_size
+
+    tuned = [r for r in rows if r["label"] == "fine-tuned"]
+    best = max(tuned, key=lambda r: (r["acc1"], -abs(r["img_size"] - 48), -r["img_size"]))
+    assert recorded_test_size(run / "checkpoints" / "last.ckpt").img_size == (best["img_size"],) * 2
+
+
+@pytest.mark.slow
+def test_finetune_report_follows_the_runs_limit_val_batches(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A smoke run (`--trainer.limit_val_batches=1`) is swept over its one batch per size, not the whole split."""
+    import json
+    import shutil
+
+    import yaml
+
+    from vitlab.analysis.resolution import finetune_report
+
+    run = shutil.copytree(runs["tmp"] / "finetune", tmp_path / "smoke")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["trainer"]["limit_val_batches"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    json_path, _ = finetune_report(run)
+    assert "the first 1 validation batches at each size (the run's trainer.limit_val_batches)" in capsys.readouterr().out
+    rows = json.loads(json_path.read_text())["rows"]
+    assert len(rows) == 10 and {r["images"] for r in rows} == {16}  # batch_size 16 of the 60 images
+    json_path, _ = finetune_report(run, limit_batches=2)  # the flag wins
+    assert {r["images"] for r in json.loads(json_path.read_text())["rows"]} == {32}
 
 
 def test_the_data_of_a_progressive_resize_run_is_rebuilt_at_any_test_size(tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ from vitlab.analysis.plots import (
     save_figure,
 )
 from vitlab.analysis.posembed import pos_embed_similarity
-from vitlab.analysis.rollout import attention_rollout, attention_rollout_matrix
+from vitlab.analysis.rollout import attention_rollout, attention_rollout_matrix, pool_weights, pooling_weights
 
 __all__ = [
     "attention_rollout", "attention_rollout_matrix", "mean_attention_distance", "patch_center_distances",
     "patch_embedding_components", "plot_attention_distance", "plot_patch_components", "plot_pos_embed_similarity",
-    "plot_rollout", "pos_embed_similarity", "save_figure",
+    "plot_rollout", "pool_weights", "pooling_weights", "pos_embed_similarity", "save_figure",
 ]

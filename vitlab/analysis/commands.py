@@ -14,7 +14,6 @@ from typing import Any, TextIO
 
 import torch
 
-from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from vitlab.analysis.distance import mean_attention_distance
 from vitlab.analysis.filters import patch_embedding_components
 from vitlab.analysis.plots import (
@@ -24,7 +23,8 @@ from vitlab.analysis.plots import (
     plot_rollout,
 )
 from vitlab.analysis.posembed import pos_embed_similarity
-from vitlab.analysis.rollout import attention_rollout
+from vitlab.analysis.rollout import attention_rollout, pooling_weights
+from vitlab.constants import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 
 Prediction = list[tuple[str, float]]
 
@@ -84,12 +84,9 @@ def rollout_for_model(
     discard_ratio: float = 0.0,
 ) -> torch.Tensor:
     """`attention_rollout` read as the model pools: class token, patch mean, or learned sequence weights."""
-    weights = None
-    if model.pool == "seq":
-        weights = model.seq_pool_weights(model.forward_features(x)).squeeze(-1)
     return attention_rollout(
         attn, model.num_prefix_tokens, model.patch_embed.grid_size, image_size=image_size, pool=model.pool,
-        discard_ratio=discard_ratio, query_weights=weights,
+        discard_ratio=discard_ratio, query_weights=pooling_weights(model, x),
     )  # fmt: skip
 
 

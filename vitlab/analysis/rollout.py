@@ -116,16 +116,8 @@ def attention_rollout(
     b, n = rollout.shape[0], rollout.shape[-1]
     if query_weights is not None:
         weights = query_weights.detach().float().reshape(b, n).to(rollout.device)
-    elif pool == "token":
-        if num_prefix_tokens < 1:
-            raise ValueError("pool='token' needs a class token (num_prefix_tokens >= 1); use pool='avg'")
-        weights = torch.zeros(b, n, device=rollout.device)
-        weights[:, 0] = 1.0
-    elif pool in ("avg", "seq"):
-        weights = torch.zeros(b, n, device=rollout.device)
-        weights[:, num_prefix_tokens:] = 1.0 / (n - num_prefix_tokens)
     else:
-        raise ValueError(f"unknown pool {pool!r}; choose 'token', 'avg' or 'seq'")
+        weights = pool_weights(pool, b, n, num_prefix_tokens, device=rollout.device)
     row = (weights.unsqueeze(1) @ rollout).squeeze(1)  # [B, N]
     heat = row[:, num_prefix_tokens:].reshape(b, *grid)
     if image_size is not None:
@@ -133,6 +125,37 @@ def attention_rollout(
         heat = heat.squeeze(1)
     heat = _normalize(heat, normalize)
     return heat[0] if unbatched else heat
+
+
+def pool_weights(
+    pool: str, batch: int, num_tokens: int, num_prefix_tokens: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """`[batch, num_tokens]` weights of the tokens a pooling type reads, each row summing to 1: the class
+    token (`"token"`), or the patch tokens equally (`"avg"`, and `"seq"` when its learned weights are not
+    at hand; `pooling_weights` has them)."""
+    weights = torch.zeros(batch, num_tokens, device=device)
+    if pool == "token":
+        if num_prefix_tokens < 1:
+            raise ValueError("pool='token' needs a class token (num_prefix_tokens >= 1); use pool='avg'")
+        weights[:, 0] = 1.0
+    elif pool in ("avg", "seq"):
+        weights[:, num_prefix_tokens:] = 1.0 / (num_tokens - num_prefix_tokens)
+    else:
+        raise ValueError(f"unknown pool {pool!r}; choose 'token', 'avg' or 'seq'")
+    return weights
+
+
+@torch.no_grad()
+def pooling_weights(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """How `model`'s pooled output reads its tokens for the images `x`, `[B, N]` (N with the prefix
+    tokens), each row summing to 1: the class token, the patch mean (GAP), or the learned sequence-
+    pooling weights. `weights @ attention` is then the attention row the prediction reads, for
+    attention rollout and for any one layer's map."""
+    h, w = model.patch_embed.grid_size
+    n, b = model.num_prefix_tokens + h * w, x.shape[0]
+    if model.pool == "seq":
+        return model.seq_pool_weights(model.forward_features(x)).float().reshape(b, n)
+    return pool_weights(model.pool, b, n, model.num_prefix_tokens, device=x.device)
 
 
 def _normalize(heat: torch.Tensor, how: Normalize) -> torch.Tensor:

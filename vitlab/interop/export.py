@@ -7,6 +7,7 @@ different model.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,16 @@ from typing import Any
 from vitlab.interop.errors import ExportError
 from vitlab.models.vit import VisionTransformer
 
+log = logging.getLogger(__name__)
+
 FORMATS = ("vitlab", "hf", "timm", "onnx")
 # ONNX traces the forward pass, so it takes every option; vitlab's own format stores the config.
 _ALL = frozenset(FORMATS)
 _TRACED = frozenset({"vitlab", "onnx"})
+# Formats whose model takes one input size (transformers' ViT refuses another without
+# `interpolate_pos_encoding`; an ONNX graph is traced at one): written at the recorded test size, the
+# trained size kept in their config. vitlab and timm keep the trained weights and record both sizes.
+_FIXED_SIZE = frozenset({"hf", "onnx"})
 
 
 def _options(config: Mapping[str, Any]) -> list[tuple[str, frozenset[str]]]:
@@ -65,13 +72,23 @@ def check_expressible(model: VisionTransformer, format: str) -> None:
 
 def export(model: VisionTransformer | str | Path, format: str, out: str | Path) -> Path:
     """Write `model` (or the checkpoint at that path, any format `load_pretrained` reads) into the
-    folder `out` in `format`: "vitlab", "hf", "timm" or "onnx". Returns the folder."""
+    folder `out` in `format`: "vitlab", "hf", "timm" or "onnx". Returns the folder.
+
+    A recorded test size is kept: vitlab and timm write the trained weights with both sizes (timm's
+    `input_size` and `test_input_size`), hf and onnx the model at its test size (the HF image
+    processor's size) with the trained size in their `config.json`."""
     from vitlab.interop import hf, onnx, timm, vitlab_format
+    from vitlab.interop.eval_size import at_test_size, eval_size_of
     from vitlab.interop.load import load_pretrained
 
     if not isinstance(model, VisionTransformer):
-        model = load_pretrained(model)
+        model = load_pretrained(model, use_test_size=False)  # as trained: each format records the test size
     check_expressible(model, format)
+    if format in _FIXED_SIZE:
+        model = at_test_size(model, f"the {format} export")
+    elif (test := eval_size_of(model.data_config)) is not None:
+        h, w = model.patch_embed.img_size
+        log.warning("the %s export: the weights at %dx%d, with the recorded test size %s", format, h, w, test)
     writers: dict[str, Callable[[VisionTransformer, Path], Path]] = {
         "vitlab": vitlab_format.save_pretrained, "hf": hf.export_hf, "timm": timm.export_timm,
         "onnx": onnx.export_onnx,

@@ -20,9 +20,12 @@ import torch
 
 from vitlab.constants import IMAGENET_NORM, INCEPTION_NORM
 from vitlab.interop.architecture import Converted, Source
+from vitlab.interop.eval_size import TEST_KEYS, TRAIN_KEYS, eval_size_of
 from vitlab.models.vit import VisionTransformer
 
 FORMAT = "hf"
+# config.json's entry for the trained and test sizes of a model exported at its test size.
+SIZES_KEY = "vitlab_sizes"
 # ViTImageProcessor: mean/std 0.5, bilinear resize straight to the input size (no crop).
 DATA_CONFIG: dict[str, Any] = {
     **INCEPTION_NORM, "interpolation": "bilinear", "crop_pct": 1.0, "class_names": None
@@ -97,6 +100,9 @@ def _sidecar_config(sidecar: Mapping[str, Any] | None, src: Source) -> tuple[dic
     if "image_size" in sidecar:
         size = sidecar["image_size"]
         config["img_size"] = [int(size), int(size)] if isinstance(size, (int, float)) else [int(s) for s in size]
+    sizes = sidecar.get(SIZES_KEY)
+    if isinstance(sizes, Mapping):
+        data.update({k: sizes[k] for k in (*TEST_KEYS, *TRAIN_KEYS) if k in sizes})
     labels = sidecar.get("id2label")
     if isinstance(labels, Mapping) and labels:
         names = [str(labels.get(str(i), labels.get(i, ""))) for i in range(len(labels))]  # type: ignore[call-overload]
@@ -255,7 +261,16 @@ def hf_config(model: VisionTransformer) -> dict[str, Any]:
         "num_channels": c["in_chans"], "qkv_bias": c["qkv_bias"], "encoder_stride": c["patch_size"],
         "id2label": {str(i): str(n) for i, n in enumerate(names)},
         "label2id": {str(n): i for i, n in enumerate(names)},
+        **_sizes_entry(model.data_config),
     }  # fmt: skip
+
+
+def _sizes_entry(data_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The trained and test sizes, for a model written at its recorded test size: transformers keeps an
+    unknown config key as an attribute, and vitlab reads it back."""
+    if eval_size_of(data_config) is None:
+        return {}
+    return {SIZES_KEY: {k: data_config[k] for k in (*TEST_KEYS, *TRAIN_KEYS) if data_config.get(k) is not None}}
 
 
 def preprocessor_config(data_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -290,8 +290,12 @@ def _write_atomic(path: Path, text: str) -> None:
 def _download(url: str, auth: str | None, dst: Path, expected: str | None, label: str) -> str:
     """Stream into a temporary file beside `dst`, check its length and hash, rename into place.
 
-    Not `torch.hub.download_url_to_file`: it accepts a body cut short when no hash is known. Any
-    failure removes the temporary file, so the cache holds whole files only and the next run starts over.
+    `torch.hub.download_url_to_file` (torch 2.x) does the same temp-file-and-move, but cannot serve here:
+    its request carries a fixed `User-Agent` header only (no Authorization, so a URL's credentials could
+    not be sent), it hashes only when given a `hash_prefix` (a pinned source needs the digest of every
+    download), and it never compares the body with Content-Length (http.client's `read` returns a cut
+    body short, without error: a half file would be cached). What is added to its loop is those three.
+    Any failure removes the temporary file, so the cache holds whole files only and the next run starts over.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_parts(dst)

@@ -10,6 +10,7 @@ from typing import Any
 from vitlab.interop import hf, jax_npz, timm, torchvision, vitlab_format
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, build_model
 from vitlab.interop.errors import CheckpointError
+from vitlab.interop.eval_size import set_test_size
 from vitlab.interop.files import RawCheckpoint, read_checkpoint, unwrap_state_dict
 from vitlab.interop.hub import resolve_source
 from vitlab.models.resize import to_2tuple
@@ -30,6 +31,7 @@ def load_pretrained(
     num_classes: int | None = None,
     config: Mapping[str, Any] | None = None,
     resample: str | Mapping[str, Any] | None = None,
+    use_test_size: bool = True,
 ) -> VisionTransformer:
     """Load a ViT checkpoint of any supported format into a vitlab `VisionTransformer` (eval mode).
 
@@ -45,6 +47,11 @@ def load_pretrained(
     `img_size`: resample the position embeddings to this input size, with timm's rule (bicubic,
     antialias) unless `resample="family"` (the source's own rule) or a dict of
     `resample_pos_embed` arguments is given. `num_classes`: swap in a zero-initialised head.
+
+    A checkpoint that records a test size (`vitlab resolution` chose it on the validation split) loads
+    at that size when `img_size` is not given, and says so in one log line; `data_config` then holds
+    the test `img_size`/`crop_pct` and the trained ones as `train_img_size`/`train_crop_pct`
+    (`vitlab.interop.eval_size`). `use_test_size=False` loads the model as trained.
     """
     config = dict(config or {})
     unknown = sorted(set(config) - _CONSTRUCTOR_ARGS)
@@ -56,6 +63,8 @@ def load_pretrained(
     model = build_model(conv, config)
     if img_size is not None and to_2tuple(img_size) != tuple(model.patch_embed.img_size):
         model.set_image_size(img_size, **_resample_rule(resample, conv))
+    elif img_size is None and use_test_size:
+        set_test_size(model, source.label or str(path))
     if num_classes is not None and num_classes != model.num_classes:
         model.reset_head(num_classes)
         model.data_config["class_names"] = None  # the old names describe the old head

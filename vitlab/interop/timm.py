@@ -16,6 +16,7 @@ import torch
 
 from vitlab.constants import IMAGENET_NORM, INCEPTION_NORM
 from vitlab.interop.architecture import TIMM_RESAMPLE, Converted, Source, strip_prefix
+from vitlab.interop.eval_size import eval_size_of
 from vitlab.models.resnet import resnet_stride
 from vitlab.models.vit import VisionTransformer
 
@@ -43,8 +44,11 @@ def _sidecar_data(sidecar: Mapping[str, Any] | None) -> tuple[dict[str, Any], di
         if "architecture" not in sidecar:
             return {}, {}
         pc = sidecar  # timm's older hub configs: one flat dict
-    data = {k: pc[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in pc}
+    data = {k: pc[k] for k in ("mean", "std", "interpolation", "crop_pct", "test_crop_pct") if k in pc}
     data = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in data.items()}
+    test_size = pc.get("test_input_size")
+    if isinstance(test_size, (list, tuple)) and len(test_size) == 3:
+        data["test_img_size"] = [int(test_size[1]), int(test_size[2])]
     names = _label_names(sidecar.get("label_names", pc.get("label_names")),
                          sidecar.get("label_descriptions", pc.get("label_descriptions")))  # fmt: skip
     if names:
@@ -130,7 +134,8 @@ def timm_hybrid(config: Mapping[str, Any]) -> str | None:
 
 
 def timm_config(model: VisionTransformer) -> dict[str, Any]:
-    """A timm hub `config.json`: architecture, the `model_args` that rebuild this model, `pretrained_cfg`."""
+    """A timm hub `config.json`: architecture, the `model_args` that rebuild this model, `pretrained_cfg`
+    (with `test_input_size` and `test_crop_pct` when the model records a test size)."""
     c, d = model.config, model.data_config
     h, w = c["img_size"]
     model_args = {
@@ -153,6 +158,9 @@ def timm_config(model: VisionTransformer) -> dict[str, Any]:
         "interpolation": str(d.get("interpolation") or "bicubic"), "num_classes": c["num_classes"],
         "first_conv": first_conv, "classifier": ["head", "head_dist"] if c.get("distilled") else "head",
     }  # fmt: skip
+    test = eval_size_of(d)
+    if test is not None:  # timm's convention: resolve_data_config(use_test_size=True) picks these
+        pretrained_cfg.update(test_input_size=[c["in_chans"], *test.img_size], test_crop_pct=test.crop_pct)
     config: dict[str, Any] = {
         "architecture": architecture,
         "num_classes": c["num_classes"], "num_features": c["embed_dim"], "global_pool": c["pool"],
@@ -170,7 +178,9 @@ def export_timm(model: VisionTransformer, directory: str | Path) -> Path:
     `timm.create_model(architecture, pretrained=True, pretrained_cfg_overlay=dict(pretrained_cfg,
     file=<folder>/model.safetensors), **model_args)` (the overlay's `num_classes` keeps the head).
     A distilled model loads as timm's `VisionTransformerDistilled`; both predict with the mean of
-    the two heads' logits (DeiT's rule), so the logits are the same.
+    the two heads' logits (DeiT's rule), so the logits are the same. A recorded test size goes into
+    `pretrained_cfg` as `test_input_size`/`test_crop_pct` (`resolve_data_config(use_test_size=True)`
+    reads them); `create_model(..., img_size=<test size>)` resamples the position embeddings on load.
     """
     from vitlab.interop.vitlab_format import write_folder
 
