@@ -14,6 +14,16 @@ read during `setup("fit")` (the kernel's rchar), seconds of setup and to the fir
 and the batches per epoch (which the index must not change).
 
     python bench/bench_data.py --startup
+
+`--imagenet DIR` (full-size ImageNet JPEGs, e.g. DIR=/work/imagenet-sample): images per second at 224px
+of the decode ceilings (PIL, torchvision.io.decode_jpeg), timm's train transform with and without
+RandAugment m9, and vitlab's shard and folder loaders on each decode path (`pil`: today's per-image
+floats; `cpu`: uint8 crops, normalised on the device), with and without RandAugment, and the shards
+packed by `vitlab pack-shards --max-side 320`. Per core (torch.set_num_threads(1), num_workers=0) and
+with 2 workers (loaders only); rounds interleaved, the median kept. The loader rows time the workers'
+side only: what `cpu` moves to the training device runs there batched.
+
+    python bench/bench_data.py --imagenet /work/imagenet-sample
 """
 
 from __future__ import annotations
@@ -121,13 +131,122 @@ def startup() -> None:
                       f"{r['setup_s']:8.2f} {r['first_batch_s']:11.2f} {r['batches']:7d}", flush=True)  # fmt: skip
 
 
+def _imagenet_data(src: Path, tmp: Path) -> dict[str, Path]:
+    """An image folder (class = synset prefix of the file name), shards of the original bytes, and the
+    shards `vitlab pack-shards --max-side 320` makes from them."""
+    import io
+    import tarfile
+
+    from vitlab.data.pack import pack
+
+    files = sorted(p for p in src.iterdir() if p.suffix.lower() in (".jpeg", ".jpg"))
+    if len(files) < 2:
+        raise SystemExit(f"{src} holds {len(files)} JPEGs; point --imagenet at a folder of full-size ImageNet JPEGs")
+    classes = sorted({p.name.split("_")[0] for p in files})
+    folder, shards = tmp / "folder", tmp / "shards"
+    for p in files:
+        (folder / p.name.split("_")[0]).mkdir(parents=True, exist_ok=True)
+        (folder / p.name.split("_")[0] / p.name).symlink_to(p.resolve())
+    shards.mkdir()
+    with tarfile.open(shards / "shard-000000.tar", "w") as tar:
+        for p in files:
+            for ext, data in (("jpg", p.read_bytes()), ("cls", str(classes.index(p.name.split("_")[0])).encode())):
+                info = tarfile.TarInfo(f"{p.stem}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (shards / "classes.txt").write_text("".join(f"{c}\n" for c in classes))
+    pack(folder, tmp / "packed320", max_side=320, report=lambda _: None)
+    return {"folder": folder, "shards": shards, "packed320": tmp / "packed320"}
+
+
+def _loader_rate(make, images: int) -> float:
+    """img/s of a fresh loader (built outside the timing, first batch excluded) over `images` images."""
+    loader = make()
+    it = iter(loader)
+    next(it)
+    n, start = 0, time.perf_counter()
+    for x, _ in it:
+        n += len(x)
+        if n >= images:
+            break
+    return n / (time.perf_counter() - start)
+
+
+def imagenet(src: Path, images: int, rounds: int) -> None:
+    import io
+
+    from PIL import Image
+    from timm.data import create_transform
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from vitlab.data import ImageFolderDataModule, ShardDataModule
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _imagenet_data(src, Path(tmp))
+        blobs = [p.read_bytes() for p in sorted(data["folder"].rglob("*.JPEG"))][:images]
+        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        timm_t = create_transform(224, is_training=True, interpolation="bicubic", color_jitter=None)
+        timm_ra = create_transform(224, is_training=True, interpolation="bicubic", auto_augment="rand-m9-mstd0.5")
+
+        def per_image(fn):
+            def rate() -> float:
+                start = time.perf_counter()
+                for b in fn[1]:
+                    fn[0](b)
+                return len(fn[1]) / (time.perf_counter() - start)
+            return rate
+
+        def dm(kind: str, decode: str, ra: bool, workers: int):
+            common = dict(img_size=224, batch_size=50, num_workers=workers, decode=decode, seed=0,
+                          auto_augment="randaugment" if ra else None, pin_memory=False)  # fmt: skip
+            if kind == "folder":
+                m = ImageFolderDataModule(str(data["folder"]), val_fraction=0.0, **common)
+            else:
+                m = ShardDataModule(str(data[kind]), val_fraction=0.0, shuffle_buffer=100, **common)
+            m.setup("fit")
+            return lambda: _loader_rate(m.train_dataloader, images)
+
+        rows = {
+            "PIL decode alone (no crop, no tensor)": per_image((lambda b: Image.open(io.BytesIO(b)).convert("RGB"), blobs)),
+            "torchvision decode_jpeg alone": per_image((lambda t: decode_jpeg(t, mode=ImageReadMode.RGB), tensors)),
+            "timm RandomResizedCrop + flip, bicubic": per_image(
+                (lambda b: timm_t(Image.open(io.BytesIO(b)).convert("RGB")), blobs)),
+            "timm, the same + RandAugment m9": per_image((lambda b: timm_ra(Image.open(io.BytesIO(b)).convert("RGB")), blobs)),
+        }  # fmt: skip
+        for workers in (0, 2):
+            for kind, decode, ra in itertools.product(("shards", "folder", "packed320"), ("pil", "cpu"), (False, True)):
+                if kind == "packed320" and decode == "pil":
+                    continue
+                name = f"vitlab {kind}, decode={decode}{' + RandAugment m9' if ra else ''}, {workers} workers"
+                rows[name] = dm(kind, decode, ra, workers)
+        got: dict[str, list[float]] = {k: [] for k in rows}
+        for _ in range(rounds):
+            for name, fn in rows.items():
+                got[name].append(fn())
+        med = {k: statistics.median(v) for k, v in got.items()}
+        timm, timm_ra_rate, pil = (med["timm RandomResizedCrop + flip, bicubic"], med["timm, the same + RandAugment m9"],
+                                   med["PIL decode alone (no crop, no tensor)"])  # fmt: skip
+        print(f"{len(blobs)} images from {src}, 224px, batch 50, median of {rounds} interleaved rounds; "
+              f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        print(f"{'path':62s} {'img/s':>7s} {'x timm':>7s} {'x PIL':>6s}")
+        for name, r in med.items():
+            ref = timm_ra_rate if "RandAugment" in name else timm
+            print(f"{name:62s} {r:7.0f} {r / ref:6.2f}x {r / pil:5.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=10, help="timed batches or steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--startup", action="store_true", help="bytes read and seconds to the first batch, index or not")
     p.add_argument("--one_start", type=Path, help=argparse.SUPPRESS)  # a child process of --startup
+    p.add_argument("--imagenet", type=Path, metavar="DIR", help="the 224px table on a folder of full-size JPEGs")
+    p.add_argument("--images", type=int, default=500, help="images per --imagenet measurement")
     args = p.parse_args(argv)
+    if args.imagenet is not None:
+        imagenet(args.imagenet, args.images, args.rounds)
+        return 0
     if args.one_start is not None:
         print(json.dumps(one_start(args.one_start)))
         return 0

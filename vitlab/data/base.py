@@ -10,15 +10,17 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
+from vitlab.data.device_prep import DeviceBatchPrep, EncodedBatch, KeepEncoded, check_decode, encoded_collate
+from vitlab.data.fast_decode import FastEvalDecode, FastTrainDecode
 from vitlab.data.loaders import BatchedDataset, EpochLoader, EqualBatchSampler, WorkerInit, available_cpus
 from vitlab.data.random_state import WorkerRandomState
 from vitlab.data.transforms import (
@@ -80,7 +82,16 @@ class ImageDataModule(L.LightningDataModule):
     `img_size_schedule` (`[[epoch, size], ...]`, ending at img_size) is progressive resizing: from each
     listed epoch on, train images are cropped to that size, set from the trainer's epoch as each epoch's
     loader starts (the `ImgSizeSchedule` callback moves the model along); validation stays at img_size.
+
+    `decode` (image folders and shards): `"pil"` decodes and augments each image in the workers into a
+    normalised float tensor; `"cpu"` is the fast path (vitlab.data.fast_decode): the workers decode at a
+    reduced JPEG scale where the crop allows, crop before resizing and hand over uint8 crops, and the
+    float conversion, normalisation and MixUp/CutMix run batched on the training device; `"device"`
+    (vitlab.data.device_prep): the workers hand over the encoded bytes and the training device decodes
+    (nvJPEG on a GPU), crops, flips and normalises. Both need train_crop="rrc".
     """
+
+    supports_decode = False  # whether the datasets take `train_decoder()` / `eval_decoder()` (encoded input)
 
     def __init__(
         self,
@@ -104,8 +115,14 @@ class ImageDataModule(L.LightningDataModule):
         seed: int = 0,
         eval_equal_batches: bool | None = None,
         img_size_schedule: list[tuple[int, int]] | None = None,
+        decode: Literal["pil", "cpu", "device"] = "pil",
     ) -> None:
         super().__init__()
+        check_decode(decode, train_crop)
+        if decode != "pil" and not self.supports_decode:
+            raise ValueError(f"decode={decode!r} is for image folders and shards; {type(self).__name__} takes decode: pil")
+        if decode == "device" and skip_bad_images:
+            raise ValueError("skip_bad_images needs the workers to decode; set decode: cpu, or skip_bad_images: false")
         if img_size < 1:
             raise ValueError(f"img_size must be >= 1, got {img_size}")
         self.img_size_schedule = check_img_size_schedule(img_size_schedule, img_size)
@@ -127,6 +144,8 @@ class ImageDataModule(L.LightningDataModule):
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
         self.interpolation, self.crop_pct = interpolation, crop_pct
         self.skip_bad_images, self.seed, self.eval_equal_batches = skip_bad_images, seed, eval_equal_batches
+        self.decode = decode
+        self._prep: DeviceBatchPrep | None = None
         self._num_classes_arg = num_classes
         # The size train images are cropped to now: shared memory, so DataLoader workers (persistent
         # ones too) see what `set_train_size` wrote for the epoch (vitlab.train.run.img_size_schedule).
@@ -237,8 +256,53 @@ class ImageDataModule(L.LightningDataModule):
     def eval_transform(self) -> Any:
         return eval_transform(self._preprocessing())
 
-    def train_collate(self) -> MixupCutmixCollate:
+    def train_decoder(self) -> Any:
+        """What the datasets apply to each train image: `train_transform()` on a decoded image for
+        decode="pil"; for "cpu" and "device" a transform of the encoded image (bytes or path)."""
+        if self.decode == "pil":
+            return self.train_transform()
+        if self.decode == "device":
+            return KeepEncoded()
+        build = functools.partial(
+            FastTrainDecode, scale_min=self.scale_min, hflip=self.hflip, auto_augment=self.auto_augment,
+            randaugment_magnitude=self.randaugment_magnitude, interpolation=self.interpolation,
+        )  # fmt: skip
+        full = build(self.img_size)
+        return SizedTransform(self._train_size, build) if self.img_size_schedule else full
+
+    def eval_decoder(self) -> Any:
+        """The evaluation counterpart of `train_decoder`: the same pixels as `eval_transform()`, as uint8
+        for decode="cpu" (normalised on the device), encoded for "device"."""
+        if self.decode == "pil":
+            return self.eval_transform()
+        if self.decode == "device":
+            return KeepEncoded()
+        return FastEvalDecode(self.img_size, self.crop_pct, self.interpolation)
+
+    def train_collate(self) -> Callable:
+        if self.decode == "device":
+            return encoded_collate
+        if self.decode == "cpu":
+            return default_collate  # uint8 crops: mixed on the device (on_after_batch_transfer)
         return MixupCutmixCollate(self.num_classes, self.mixup_alpha, self.cutmix_alpha)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """decode="cpu"/"device": the batch, on the device, made float, normalised (and mixed) here."""
+        if self.decode == "pil":
+            return batch
+        images, labels = batch
+        if not isinstance(images, EncodedBatch) and images.dtype != torch.uint8:
+            return batch
+        if self._prep is None:
+            self._prep = DeviceBatchPrep(
+                self.img_size, self.scale_min, self.hflip, self.mean, self.std, self.crop_pct, self.interpolation,
+                MixupCutmixCollate(self.num_classes, self.mixup_alpha, self.cutmix_alpha).mix,
+                FastTrainDecode(self.img_size, self.scale_min, False, self.auto_augment, self.randaugment_magnitude,
+                                self.interpolation).augment,
+            )  # fmt: skip
+        trainer = self.trainer
+        train = trainer is not None and bool(trainer.training)
+        return self._prep(images, labels, train, self.img_size_at(trainer.current_epoch) if train else None)
 
     # ---- Lightning hooks --------------------------------------------------------------------------
 
@@ -294,6 +358,7 @@ class ImageDataModule(L.LightningDataModule):
         once over all ranks, by `EqualBatchSampler` when `equal_eval_batches`, else by `eval_sampler`.
         `pin_memory=False` turns pinning off for data already on the device."""
         workers = self.resolved_num_workers if num_workers is None else num_workers
+        collate_fn = collate_fn or (None if train else self._eval_collate())
         common: dict[str, Any] = {
             "num_workers": workers, "pin_memory": self.pin_memory and pin_memory, "persistent_workers": workers > 0,
             "worker_init_fn": WorkerInit(self.global_rank) if workers > 0 else None,
@@ -314,6 +379,9 @@ class ImageDataModule(L.LightningDataModule):
         sampler = EqualBatchSampler(len(dataset), self.world_size, self.global_rank, self.per_device_batch_size)
         # The sampler yields whole batches (index lists): no automatic batching, the dataset collates.
         return DataLoader(BatchedDataset(dataset, collate_fn), batch_size=None, sampler=sampler, **common)
+
+    def _eval_collate(self) -> Callable | None:
+        return encoded_collate if self.decode == "device" else None
 
     def _epoch_fn(self) -> Callable[[], int] | None:
         """What a loader calls as it starts an epoch: the trainer's epoch, after setting the schedule's

@@ -53,6 +53,8 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
     (self-supervised pretraining; see vitlab.data.unlabelled).
     """
 
+    supports_decode = True
+
     def __init__(self, root: str, val_fraction: float = 0.02, labels: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.labels = labels
@@ -137,7 +139,7 @@ class ImageFolderDataModule(LabelsOption, ImageDataModule):
         else:
             val_samples = []
         skip = self.skip_bad_images
-        self.train_dataset = ImageFileDataset(samples, self.train_transform(), skip)
-        self.val_dataset = ImageFileDataset(val_samples, self.eval_transform(), skip) if val_samples else None
+        self.train_dataset = ImageFileDataset(samples, self.train_decoder(), skip)
+        self.val_dataset = ImageFileDataset(val_samples, self.eval_decoder(), skip) if val_samples else None
         if test_dir is not None:
-            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_transform(), skip)
+            self.test_dataset = ImageFileDataset(scan(test_dir), self.eval_decoder(), skip)

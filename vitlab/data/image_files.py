@@ -41,6 +41,8 @@ class ImageFileDataset(Dataset):
                 continue
             path, target = self.samples[i]
             try:
+                if getattr(self.transform, "decodes", False):  # decode="cpu"/"device": takes the path
+                    return self.transform(path, path), target
                 img = load_rgb(path)
             except BadImageError as exc:
                 if not self.skip_bad:

@@ -195,7 +195,10 @@ class ShardDecoder:
         self.transform, self.labels, self.keyed = transform, labels, keyed
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, ...]:
-        img = load_rgb(sample_image(sample), f"{sample.get('__url__')}:{sample.get('__key__')}")
+        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        if getattr(self.transform, "decodes", False):  # decode="cpu"/"device": the transform takes the bytes
+            return self.transform(sample_image(sample), name), sample_label(sample, self.labels)
+        img = load_rgb(sample_image(sample), name)
         out = (self.transform(img) if self.transform is not None else img), sample_label(sample, self.labels)
         return (sample["__key__"], *out) if self.keyed else out
 
@@ -360,6 +363,8 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     (shards without `.cls` work), every label -1.
     """
 
+    supports_decode = True
+
     def __init__(
         self,
         train_shards: str,
@@ -380,6 +385,8 @@ class ShardDataModule(LabelsOption, ImageDataModule):
                 f"auto_augment={self.auto_augment!r} runs per image on PIL images, which the in-memory path skips; "
                 "set auto_augment: null (crops, flips and MixUp/CutMix still apply) or in_memory: false"
             )
+        if in_memory and self.decode != "pil":
+            raise ValueError(f"in_memory decodes once at setup and ignores decode={self.decode!r}; drop one of them")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if num_samples is not None and num_samples < 1:
@@ -462,7 +469,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
             rank=self.global_rank if rank is None else rank, world_size=ws,
             batch_size=per_device_batch(self.batch_size, ws),
             shuffle=train, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
-            decoder=ShardDecoder(self.train_transform() if train else self.eval_transform(), self.labels)
+            decoder=ShardDecoder(self.train_decoder() if train else self.eval_decoder(), self.labels)
             if decode else None,
             num_classes=self.num_classes, skip_bad_images=self.skip_bad_images, labels=self.labels,
         )  # fmt: skip
@@ -500,7 +507,7 @@ class ShardDataModule(LabelsOption, ImageDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """In-memory batches arrive as uint8: augment (training) or normalise them here, on the device."""
         if not self.in_memory:
-            return batch
+            return super().on_after_batch_transfer(batch, dataloader_idx)
         images, labels = batch
         trainer = self.trainer
         if trainer is not None and trainer.training:

@@ -125,12 +125,13 @@ class SizedTransform:
     def __init__(self, size: torch.Tensor, build: Callable[[int], Any]) -> None:
         self.size, self.build = size, build
         self._built: dict[int, Any] = {}
+        self.decodes = getattr(build(int(size)), "decodes", False)  # takes encoded images, as what it builds
 
-    def __call__(self, img: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
         size = int(self.size)
         if size not in self._built:
             self._built[size] = self.build(size)
-        return self._built[size](img)
+        return self._built[size](*args)
 
     def __repr__(self) -> str:
         return f"SizedTransform(size={int(self.size)}, build={self.build!r})"
