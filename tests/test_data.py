@@ -32,7 +32,7 @@ from vitlab.data import (
     train_transform,
 )
 from vitlab.data.loaders import EpochLoader, EqualBatchSampler
-from vitlab.data.shards import ShardStream, split_range
+from vitlab.data.shard_stream import ShardStream, split_range
 from vitlab.data.split import key_in_val
 
 from helpers import image_tree, shard_tree

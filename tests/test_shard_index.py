@@ -25,7 +25,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
 from vitlab.data import ImageFolderDataModule, ShardDataModule
 from vitlab.data import shard_index
-from vitlab.data.shards import index_shards_main
+from vitlab.data.shard_counts import index_shards_main
 
 SMALL = dict(img_size=32, batch_size=4, num_workers=0, train_crop="pad", crop_pct=1.0, auto_augment=None)
 COUNTS = [30, 30, 30, 17]  # samples per generated shard

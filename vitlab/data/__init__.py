@@ -5,7 +5,8 @@ from vitlab.data.cifar import CIFARDataModule
 from vitlab.data.decode import BadImageError
 from vitlab.data.folder import ImageFolderDataModule
 from vitlab.data.hf import HFDataModule
-from vitlab.data.shards import ShardDataModule, ShardStream
+from vitlab.data.shard_stream import ShardStream
+from vitlab.data.shards import ShardDataModule
 from vitlab.data.transforms import eval_transform, mixup_cutmix_collate, train_transform
 
 __all__ = [

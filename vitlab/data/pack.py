@@ -31,7 +31,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vitlab.data.decode import BadImageError
 from vitlab.data.fast_decode import dct_scale, open_image, reduced_decode
-from vitlab.data.shards import SHARD_SUFFIXES, _raw_samples, expand_shards, index_shards, sample_image, sample_label
+from vitlab.data.shard_counts import index_shards
+from vitlab.data.shard_files import SHARD_SUFFIXES, _raw_samples, expand_shards, sample_image, sample_label
 
 SPLITS = ("train", "val")
 

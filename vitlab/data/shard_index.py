@@ -11,7 +11,7 @@ Each is written beside the data when that folder is writable, else into the user
 is used only while its file's size and mtime (a class folder's mtime) are unchanged; a changed or new
 shard is counted again and the index updated. Under DDP the DataModule's `prepare_data` (Lightning
 runs it on local rank 0 while the other ranks wait at a barrier) writes the index that every rank's
-`setup` then reads. `vitlab index-shards DIR` (vitlab.data.shards) writes it ahead, e.g. before a
+`setup` then reads. `vitlab index-shards DIR` (vitlab.data.shard_counts) writes it ahead, e.g. before a
 bucket goes read-only.
 """
 
