@@ -88,7 +88,11 @@ gpu-wheels:
 gpu-data:  # small subsets of the shared shards (the device receives 64 MiB at most)
 	$(PYTHON) scripts/pack_gpu_data.py --src $(SHARED_DATA) --out .gpudata $(GPU_DATA_ARGS)
 
-gpu-check:  # DEVICE=cpu: tiny sizes; OUT=: report folder (default $$OUT, else runs/gpu-check)
+# gpu-check makes .gpudata first where it is missing (its cifar10/train is what gpu_check.py looks for).
+.gpudata/cifar10/train:
+	$(MAKE) gpu-data
+
+gpu-check: | .gpudata/cifar10/train  # DEVICE=cpu: tiny sizes; OUT=: report folder (default $$OUT, else runs/gpu-check)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py --device $(or $(DEVICE),auto) \
 		--data .gpudata --out $(or $(OUT),runs/gpu-check) $(GPU_CHECK_ARGS)
 

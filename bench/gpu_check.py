@@ -38,7 +38,6 @@ import sys
 import tarfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +57,7 @@ import vitlab  # noqa: E402
 CIFAR_RECIPE = "recipes/pretrain/cifar10_vit_gpu.yaml"
 PRETRAIN_RECIPE = "recipes/pretrain/tinyimagenet_vit_gpu.yaml"
 FINETUNE_RECIPE = "recipes/finetune/imagenette_128px_gpu.yaml"
-SYNC_ENV = "VITLAB_GPU_CHECK_SYNC_OUT"
+SYNC_ENV = "VITLAB_SYNC_OUT"  # where sync_count.SyncsPerStep writes its counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,15 +246,13 @@ def section_environment(ctx: Context) -> list[Row]:
 
 
 def flops_per_image(model: torch.nn.Module, img_size: int) -> float:
-    """Training FLOPs (forward + backward) of one image, counted by torch's FlopCounterMode on a
-    meta-device copy (no memory, no compute)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Training FLOPs (forward + backward) of one image: `vitlab.train.flops_per_image`, which counts at the
+    model's own input size (`img_size`, checked)."""
+    from vitlab.train import flops_per_image as count
 
-    meta = copy.deepcopy(model).to("meta").train()
-    x = torch.empty(1, 3, img_size, img_size, device="meta")
-    with FlopCounterMode(display=False) as counter:
-        meta(x).float().sum().backward()
-    return float(counter.get_total_flops())
+    if tuple(model.config["img_size"]) != (img_size, img_size):
+        raise ValueError(f"the model takes {model.config['img_size']} images, not {img_size}px")
+    return float(count(model)["train"])
 
 
 def section_speed(ctx: Context) -> list[Row]:
@@ -460,46 +457,6 @@ def throughput(fit: Fit) -> float | None:
     return seen[-1] / seconds if seen and seconds else None
 
 
-class SyncCounter(L.Callback):
-    """Counts host-device synchronisations per training step with `torch.cuda.set_sync_debug_mode`:
-    every synchronising CUDA call between a batch's start and end (forward, backward, optimizer,
-    logging) raises a warning, recorded here over steps [first, last); JSON written to $VITLAB_GPU_CHECK_SYNC_OUT."""
-
-    def __init__(self, first: int = 20, last: int = 40) -> None:
-        self.first, self.last = first, last
-        self.counts: list[int] = []
-        self.where: dict[str, int] = {}
-        self._catcher: warnings.catch_warnings | None = None
-        self._records: list[warnings.WarningMessage] | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if pl_module.device.type != "cuda" or not self.first <= trainer.global_step < self.last:
-            return
-        self._catcher = warnings.catch_warnings(record=True)
-        self._records = self._catcher.__enter__()
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
-        if self._catcher is None:
-            return
-        torch.cuda.set_sync_debug_mode("default")
-        self._catcher.__exit__(None, None, None)
-        syncs = [w for w in self._records or [] if "synchroniz" in str(w.message)]
-        self.counts.append(len(syncs))
-        for w in syncs:
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            self.where[key] = self.where.get(key, 0) + 1
-        self._catcher, self._records = None, None
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        out = os.environ.get(SYNC_ENV)
-        if out and trainer.is_global_zero:
-            Path(out).write_text(json.dumps({"device": pl_module.device.type, "counts": self.counts,
-                                             "where": self.where}))  # fmt: skip
-
-
 # ---- recipe -------------------------------------------------------------------------------------
 
 
@@ -509,8 +466,8 @@ def section_recipe(ctx: Context) -> list[Row]:
                            {"max_epochs": p.recipe_epochs, "max_time": max_time(p.recipe_seconds)})  # fmt: skip
     sync_out = ctx.work / "syncs.json"
     args = data_args(ctx, "cifar10/train", val_fraction=0.1) + [
-        "--trainer.callbacks+=gpu_check.SyncCounter",
-        f"--trainer.callbacks.first={p.sync_steps[0]}", f"--trainer.callbacks.last={p.sync_steps[1]}",
+        "--trainer.callbacks+=sync_count.SyncsPerStep",
+        f"--trainer.callbacks.skip_steps={p.sync_steps[0]}", f"--trainer.callbacks.last_step={p.sync_steps[1]}",
     ]  # fmt: skip
     fit = vitlab_fit(ctx, "cifar10", config, args, timeout=p.recipe_seconds + 120, env=child_env(**{SYNC_ENV: str(sync_out)}))
     require(fit, "vitlab fit (CIFAR-10 GPU recipe)")

@@ -61,6 +61,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str]
         "offline dataset": (["fit", "--config", str(_recipe(tmp / "cifar.yaml", cifar)), *run],
                             r"cifar10 is not available.*DATA=<ImageFolder path>"),
         "bad recipe key": (["fit", "--config", str(bad_key), *run], r"unknown key .*model\.archh; did you mean 'arch'"),
+        "mistyped model key": (["fit", "--config", str(ok), *run, "--model.lrr=0.1"],
+                               r"unknown key --model\.lrr; did you mean --model\.lr\? valid keys: arch, "),
         "bad checkpoint to predict": (["predict", "--ckpt", str(junk), str(junk)],
                                       rf"checkpoint \({junk}\): not a readable torch file"),
         "bad checkpoint to fine-tune": (["fit", "--config", str(ok), *run, "--model.init_from", str(junk)],

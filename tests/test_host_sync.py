@@ -1,10 +1,11 @@
 """No host-device synchronisation per training step in a default `vitlab fit` run on the CPU (default
 callbacks: non-finite guard, last/best checkpoints, throughput, exact resume, figures), counted with
-`vitlab.train.run.sync_count`; the counter itself on a hand-made case; and the non-finite guard when it
+bench/sync_count.py; the counter itself on a hand-made case; and the non-finite guard when it
 reads its device-side check only every N steps."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ from vitlab.cli import main
 from vitlab.train import ViTClassifier
 from vitlab.train.reliability.guards import NonFiniteGuard, NonFiniteLossError
 from vitlab.train.objectives.classifier import FiniteMean
-from vitlab.train.run.sync_count import SyncsPerStep, count_syncs
 
 TINY = {"patch_size": 8, "depth": 1, "embed_dim": 16, "num_heads": 2}
 # The only per-step reads left: Lightning turns each progress-bar value (the running train/loss) into a
 # Python number twice a step (`on_batch_end` and the step's logging), whether or not the step is logged.
 BAR_READS_PER_STEP = 2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the counter serves tests and gpu_check
+from sync_count import SyncsPerStep, count_syncs  # noqa: E402
 
 
 def test_counter_counts_value_reads_on_the_cpu() -> None:
@@ -54,7 +57,7 @@ def test_default_fit_makes_no_host_sync_per_step(tmp_path: Path, monkeypatch) ->
     (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
     seen: list[SyncsPerStep] = []
     monkeypatch.setattr(SyncsPerStep, "on_fit_end", lambda self, *_: seen.append(self), raising=False)
-    counter = '{"class_path": "vitlab.train.run.sync_count.SyncsPerStep", "init_args": {"skip_steps": 2}}'
+    counter = '{"class_path": "sync_count.SyncsPerStep", "init_args": {"skip_steps": 2}}'
     args = ["fit", "--config", str(tmp_path / "fit.yaml"), "--run_dir", str(tmp_path / "run"), "--loggers=[csv]",
             f"--trainer.callbacks+={counter}"]  # fmt: skip
     assert main(args) == 0

@@ -30,7 +30,8 @@ from lightning.pytorch.callbacks import Callback
 
 from vitlab.data import ImageFolderDataModule
 from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
-from vitlab.train.reliability.guards import NonFiniteLossError, RunDirError
+from vitlab.train.reliability.guards import NonFiniteLossError
+from vitlab.train.reliability.run_dir import RunDirError
 from vitlab.train.reliability.lightning_internals import TESTED_LIGHTNING, check_lightning_version
 from vitlab.train.reliability.redaction import REDACTED, redact, secret_values
 

@@ -177,7 +177,10 @@ def test_credentials_stay_out_of_the_record(image_folder: Path, tmp_path: Path) 
         assert not files_holding(run, secret), (secret, files_holding(run, secret))
         assert secret not in out, secret
     config = yaml.safe_load((run / "config.yaml").read_text())
-    (saved_callback,) = config["trainer"]["callbacks"]
+    # the recipe's callback, then those every run adds (vitlab.train.run.defaults), none of them the recipe's
+    saved_callback, *added = config["trainer"]["callbacks"]
+    assert saved_callback["class_path"] == "cli_probe.HoldsCredential"
+    assert all(cb["class_path"].startswith("vitlab.train.") for cb in added), added
     assert saved_callback["init_args"] == {"api_key": REDACTED, "class_token": False}
     assert config["model"]["init_args"]["model_args"] == MODEL_ARGS
     root = str(data)

@@ -2,7 +2,8 @@
 
 Training runs through LightningCLI (`vitlab fit|validate|test --config recipes/...yaml`); the tools
 that work on a finished checkpoint are plain subcommands: `predict`, `explain`, `inspect`, `export`,
-`resolution` (top-1 against test size); `index-shards` writes a shard folder's index ahead of training.
+`resolution` (top-1 against test size); `index-shards` writes a shard folder's index ahead of training;
+`pack-shards` writes webdataset shards.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from vitlab.data.unlabelled import NO_LABELS_FIX
 from vitlab.errors import UserError
 from vitlab.interop.export import FORMATS
 from vitlab.recipe import DEFAULT_MODEL, check_config_args, expand_data_path, import_class
-from vitlab.train.run.defaults import checkpoint_dir
+from vitlab.train.run.defaults import add_run_defaults, checkpoint_dir, cpu_precision
+from vitlab.train.run.quiet import silence_known_warnings
 
 LoggerName = Literal["tensorboard", "csv", "wandb"]
 TOOLS = ("predict", "explain", "inspect", "export")
@@ -36,17 +38,14 @@ LAST, LAST_IF_PRESENT = "last", "last-if-present"
 
 
 class SaveRunConfig(SaveConfigCallback):
-    """Write the resolved config to `<run_dir>/config.yaml` (rank 0) and log it as hyperparameters."""
+    """Write the resolved config, every callback and plugin the run adds included (`add_run_defaults`), to
+    `<run_dir>/config.yaml` (rank 0); Lightning's own writes it to the first logger's folder."""
 
     def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         path = Path(trainer.default_root_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, str(path), skip_none=False, overwrite=True)
-        # The callbacks vitlab and Lightning add are not config keys (a rerun adds them again): a
-        # comment on top lets a reader of the record see everything that ran.
-        names = ", ".join(type(cb).__name__ for cb in trainer.callbacks)
-        rank_zero_info(f"callbacks: {names}")
-        path.write_text(f"# callbacks in this run: {names}\n" + path.read_text())
+        self.parser.save(self.config, str(path), skip_unset=False, overwrite=True)
+        rank_zero_info(f"callbacks: {', '.join(type(cb).__name__ for cb in trainer.callbacks)}")
 
 
 class VitlabCLI(LightningCLI):
@@ -56,6 +55,7 @@ class VitlabCLI(LightningCLI):
     resume_from: str | None = None  # the checkpoint the run starts from (`--ckpt_path` resolved)
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        silence_known_warnings()
         super().__init__(
             LightningModule,
             ImageDataModule,
@@ -87,6 +87,7 @@ class VitlabCLI(LightningCLI):
             "--checkpoint_every_n_steps", type=int | None, default=None,
             help="Also save <run_dir>/checkpoints/last.ckpt every N optimizer steps (a kill loses at most N).",
         )  # fmt: skip
+        parser.link_arguments("run_dir", "trainer.default_root_dir")
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})  # init_args without a class_path go here
         # The data decides what the model predicts and how its inputs look. A model without one of
         # these arguments is not passed it (MaskedPatchPretraining takes no class count or names).
@@ -104,6 +105,7 @@ class VitlabCLI(LightningCLI):
                 f"trains on labels; {NO_LABELS_FIX}"
             )
         _check_optimizer_args(cfg.get("model.init_args"))
+        add_run_defaults(cfg.trainer, model_cls, cfg.get("checkpoint_every_n_steps"))
         self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"))
         if cfg.get("ckpt_path") == LAST:  # the record must rerun in a fresh folder too
             cfg["ckpt_path"] = LAST_IF_PRESENT
@@ -124,35 +126,26 @@ class VitlabCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        from vitlab.train.run.callbacks import image_flops_summary
-        from vitlab.train.run.defaults import cpu_precision, run_callbacks, run_plugins
+        from vitlab.train.reliability.run_dir import check_run_dir
+        from vitlab.train.reliability.redaction import keep_argv_out_of_trackers
         from vitlab.train.run.loggers import run_loggers
 
         run_dir = Path(self._get(self.config, "run_dir"))
+        check_run_dir(run_dir)  # before any logger or callback writes into it
+        keep_argv_out_of_trackers()  # before wandb starts and records the command line
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         _check_accelerator(trainer_cfg.get("accelerator"))
         if trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = run_loggers(run_dir, self._get(self.config, "loggers"), self.resume_from)
-        existing = trainer_cfg.get("callbacks") or []
-        existing = existing if isinstance(existing, list) else [existing]
-        every_n = self._get(self.config, "checkpoint_every_n_steps")
-        kwargs["callbacks"] = [*existing, *run_callbacks(run_dir, existing, every_n, self.model)]
-        plugins = trainer_cfg.get("plugins") or []
-        plugins = plugins if isinstance(plugins, list) else [plugins]
-        kwargs["plugins"] = [*plugins, *run_plugins(plugins)]
-        kwargs["default_root_dir"] = str(run_dir)
         # A bf16 recipe on a CPU without native bf16 trains in 32-true (one log line); config.yaml keeps the recipe's.
         precision = cpu_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
         if precision != trainer_cfg.get("precision"):
             kwargs["precision"] = precision
         try:
-            trainer = super().instantiate_trainer(**kwargs)
+            return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as exc:  # Lightning's own checks of the trainer settings
             raise UserError(f"the trainer settings do not work here: {exc} Fix the recipe's trainer: section "
                             "or the --trainer.* options") from exc  # fmt: skip
-        # Lightning's default model summary shows "0 Total Flops" without an example input: count them.
-        trainer.callbacks[:] = [cb if cb in existing else image_flops_summary(cb) for cb in trainer.callbacks]
-        return trainer
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | None) -> str | None:
@@ -272,6 +265,10 @@ def _run(argv: list[str]) -> int:
         from vitlab.data.shards import index_shards_main
 
         return index_shards_main(argv[1:])
+    if argv and argv[0] == "pack-shards":
+        from vitlab.data.pack import main as pack_main
+
+        return pack_main(argv[1:])
     if argv and argv[0] in TOOLS:
         return run_tool(argv)
     try:

@@ -104,11 +104,14 @@ def init_params(cls: type) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _reject_unknown(where: str, keys: Any, valid: list[str]) -> None:
+def _reject_unknown(where: str, keys: Any, valid: list[str], flag: str | None = None) -> None:
+    """jsonargparse rejects unknown keys too, but names no close match, and for `model:` (a class_path
+    union) prints ten lines of "Does not validate against any of the Union subtypes"; hence this check.
+    `flag`: the command-line prefix (`--model.`) the suggestion is written with."""
     for key in keys or {}:
         if key not in valid:
             close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = (f"did you mean {flag or ''}{close[0]}? " if flag else f"did you mean {close[0]!r}? ") if close else ""
             raise SystemExit(f"error: unknown key {where}.{key}; {hint}valid keys: {', '.join(valid)}")
 
 
@@ -175,8 +178,26 @@ def read_recipe(path: str) -> dict[str, Any]:
 
 
 def check_config_args(argv: list[str], top_keys: list[str] | None = None) -> None:
+    """The recipes (`--config`) and the `--model.KEY` options of a command line, checked for unknown keys."""
+    model_class = DEFAULT_MODEL
     for i, arg in enumerate(argv):
-        if arg in ("-c", "--config") and i + 1 < len(argv):
-            check_recipe(argv[i + 1], top_keys)
-        elif arg.startswith("--config="):
-            check_recipe(arg.split("=", 1)[1], top_keys)
+        path = argv[i + 1] if arg in ("-c", "--config") and i + 1 < len(argv) else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else path
+        if path is not None:
+            check_recipe(path, top_keys)
+            model = read_recipe(path).get("model")
+            if isinstance(model, dict) and isinstance(model.get("class_path"), str):
+                model_class = model["class_path"]
+        elif arg.startswith(("--model=", "--model.class_path=")):
+            model_class = arg.split("=", 1)[1]
+    model_keys = [arg.removeprefix("--model.").removeprefix("init_args.").split("=")[0].split(".")
+                  for arg in argv if arg.startswith("--model.")]  # fmt: skip
+    if not model_keys or model_class.lstrip().startswith(("{", "[")):  # an inline YAML model: jsonargparse checks it
+        return
+    params = init_params(import_class(model_class, "--model"))
+    for key in model_keys:
+        if key[0] in ("class_path", "init_args", "help"):
+            continue
+        _reject_unknown("--model", [key[0]], params, flag="--model.")
+        if key[0] == "model_args" and len(key) > 1 and "model_args" in params:
+            _reject_unknown("--model.model_args", [key[1]], init_params(VisionTransformer), flag="--model.model_args.")

@@ -130,6 +130,9 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
 
     # Read by `vitlab.train.run.callbacks.EMA`: no `configure_model` call is needed to see all layers.
     builds_model_in_init = True
+    # The callbacks a `vitlab fit` of this objective adds to its config (run/defaults.py), so config.yaml lists
+    # them; not `configure_callbacks`, which every plain Trainer.fit of the module would run, and no record shows.
+    run_callbacks = ("vitlab.train.run.figures.ValidationFigures",)  # prediction grid, confusion matrix, attention
 
     def __init__(
         self,

@@ -131,6 +131,9 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
 
     builds_model_in_init = True  # read by `vitlab.train.run.callbacks.EMA`
     uses_labels = False  # read by the CLI: labelled and unlabelled data both do
+    # Added to a `vitlab fit` config (run/defaults.py): the corrupted and predicted patches (a prediction grid
+    # means nothing here).
+    run_callbacks = ("vitlab.train.run.figures.MaskedPatchFigures",)
 
     def __init__(
         self,

@@ -25,6 +25,27 @@ log = logging.getLogger("vitlab")
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
+def _default_dir(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """`<default_root_dir>/checkpoints` (the run folder's) when no dirpath was given: Lightning's default
+    (`ModelCheckpoint.__resolve_ckpt_dir`) follows the first logger's folder instead."""
+    if callback.dirpath is None:
+        callback.dirpath = os.path.realpath(os.path.join(str(trainer.default_root_dir), "checkpoints"))
+        callback._fs = get_filesystem(callback.dirpath)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint keeping the best val/acc1 as `best-epochNNN.ckpt` in the run folder's
+    checkpoints/ (last.ckpt: `LastCheckpoint`)."""
+
+    def __init__(self, dirpath: _PATH | None = None, monitor: str = "val/acc1", mode: str = "max") -> None:
+        super().__init__(dirpath=dirpath, filename="best-epoch{epoch:03d}", monitor=monitor, mode=mode, save_top_k=1,
+                         save_last=False, auto_insert_metric_name=False)  # fmt: skip
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        _default_dir(self, trainer)
+        super().setup(trainer, pl_module, stage)
+
+
 class LastCheckpoint(ModelCheckpoint):
     """The only writer of `<dirpath>/last.ckpt` (default `<default_root_dir>/checkpoints`): every
     `every_n_train_steps` steps (Lightning's trigger), after every validation (or train epoch without
@@ -68,18 +89,13 @@ class LastCheckpoint(ModelCheckpoint):
     def state_key(self) -> str:
         return self._generate_state_key(role="last")
 
-    def _use_default_dir(self, trainer: L.Trainer) -> None:
-        if self.dirpath is None:
-            self.dirpath = os.path.realpath(os.path.join(str(trainer.default_root_dir), "checkpoints"))
-            self._fs = get_filesystem(self.dirpath)
-
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # `ckpt_path="last"` is resolved before setup; resolve the default folder here too.
-        self._use_default_dir(trainer)
+        _default_dir(self, trainer)
         return super()._find_last_checkpoints(trainer)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._use_default_dir(trainer)
+        _default_dir(self, trainer)
         super().setup(trainer, pl_module, stage)
         if not use_atomic_io(trainer):
             rank_zero_warn(

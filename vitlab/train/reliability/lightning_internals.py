@@ -10,6 +10,42 @@ import lightning as L
 
 TESTED_LIGHTNING = "2.6"  # major.minor
 
+# Every private attribute of Lightning, torch, torchdata and jsonargparse that vitlab reaches, where, and why
+# there is no public route. Checked on Lightning 2.6.6, torch 2.14.1, torchdata 0.11.0, jsonargparse 4.53.0.
+PRIVATE_USES: tuple[tuple[str, str, str], ...] = (
+    ("ModelCheckpoint._save_last_checkpoint, _monitor_candidates, _should_skip_saving_checkpoint",
+     "reliability/last_checkpoint.py", "Lightning writes last.ckpt only at its own triggers; vitlab also writes "
+     "it after every validation and on a signal"),
+    ("ModelCheckpoint._should_save_on_train_epoch_end, _find_last_checkpoints, _fs, _generate_state_key",
+     "reliability/last_checkpoint.py", "the default folder (<default_root_dir>/checkpoints) and a state key "
+     "that does not change with the step interval"),
+    ("FitLoop._data_fetcher", "restart_fetcher below", "the fetcher made its iterator before the loaders' "
+     "states were restored"),
+    ("Trainer._signal_connector.received_sigterm", "mark_sigterm below", "stop at this batch's end with "
+     "SIGTERMException (should_stop ends the epoch instead)"),
+    ("FitLoop._should_accumulate, Trainer._logger_connector.should_update_logs", "run/callbacks.py PerfMonitor",
+     "ThroughputMonitor has no hook for 'only at a logging step'"),
+    ("ThroughputMonitor._samples, _batches", "run/callbacks.py PerfMonitor", "its counters, updated at logging "
+     "steps only"),
+    ("EMAWeightAveraging/WeightAveraging._average_model, _device, _kwargs, _use_buffers, _latest_update_*",
+     "run/callbacks.py EMA, run/figures.py", "vitlab's modules build the model in __init__; the EMA copy is made "
+     "without configure_model, and the figures draw with it"),
+    ("_SubprocessScriptLauncher", "reliability/end_ranks.py", "the launcher that owns the ranks to end"),
+    ("LightningModule._trainer", "objectives/classifier.py, objectives/optim.py", "`trainer` raises when unset "
+     "(a module used outside a Trainer)"),
+    ("lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling", "objectives/optim.py",
+     "which optimizers unscale gradients themselves (the bf16 clipping override)"),
+    ("lightning.fabric utilities _is_local_file_protocol, _PATH", "reliability/*", "Lightning's own test for a "
+     "local path, and its path type"),
+    ("optimizer.found_inf (torch.amp.GradScaler protocol)", "grad_step.py, reliability/guards.py",
+     "skip a step with a non-finite gradient without a host sync"),
+    ("torch.utils._foreach_utils._get_fused_kernels_supported_devices", "objectives/optim.py",
+     "which devices AdamW(fused=True) supports"),
+    ("torch.cpu._is_avx512_bf16_supported, _is_amx_tile_supported", "run/defaults.py", "torch's bf16 probe"),
+    ("StatefulDataLoader state '_num_yielded'", "reliability/resume.py", "whether a saved epoch was finished"),
+    ("jsonargparse ArgumentParser._actions", "cli.py", "the top-level keys a subcommand takes"),
+)
+
 
 def check_lightning_version(version: str | None = None) -> None:
     """Raise RuntimeError unless Lightning is a `TESTED_LIGHTNING` release."""

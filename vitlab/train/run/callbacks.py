@@ -10,8 +10,9 @@ from typing import Any
 import lightning as L
 import psutil
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, RichModelSummary, ThroughputMonitor
+from lightning.pytorch.callbacks import EMAWeightAveraging, ThroughputMonitor
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -90,6 +91,11 @@ class PerfMonitor(ThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         if not self.flops:
             self.flops = flops_per_image(getattr(pl_module, "model", pl_module))
+            # Lightning's model summary counts FLOPs only by running `example_input_array` through the module
+            # (and its DataModule's batch hooks): 0 here, so the count is this line's.
+            if "eval" in self.flops:
+                rank_zero_info(f"FLOPs per image: {get_human_readable_count(self.flops['eval'])} forward, "
+                               f"{get_human_readable_count(self.flops['train'])} training step")  # fmt: skip
 
     def _set_flops(self, pl_module: L.LightningModule, batch: Any, stage: str) -> None:
         if stage in self.flops:
@@ -140,42 +146,3 @@ class PerfMonitor(ThroughputMonitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.samples_seen = int(state_dict.get("samples_seen", 0))
-
-
-class _ImageFlops:
-    """Fills the summary's "Total Flops" line, which Lightning counts only from an `example_input_array`
-    (0 without one), with `PerfMonitor`'s count: one image's forward pass."""
-
-    _image_flops = 0
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, PerfMonitor)]
-        self._image_flops = monitors[0].flops.get("eval", 0) if monitors else 0
-        super().on_fit_start(trainer, pl_module)  # type: ignore[misc]
-
-    def summarize(self, summary_data: list[tuple[str, list[str]]], *args: Any, total_flops: int, **kwargs: Any) -> None:
-        if not total_flops and self._image_flops:  # the ViT's row (`model`) gets the count as well
-            names = dict(summary_data).get("Name", [])
-            count = get_human_readable_count(self._image_flops)
-            summary_data = [
-                (column, [count if n == "model" else v for n, v in zip(names, values)] if column == "FLOPs" else values)
-                for column, values in summary_data
-            ]
-        flops = total_flops or self._image_flops
-        super().summarize(summary_data, *args, total_flops=flops, **kwargs)  # type: ignore[misc]
-
-
-class ImageFlopsSummary(_ImageFlops, ModelSummary):
-    """Lightning's `ModelSummary`, its Total Flops those of one image's forward pass."""
-
-
-class RichImageFlopsSummary(_ImageFlops, RichModelSummary):
-    """Lightning's `RichModelSummary`, its Total Flops those of one image's forward pass."""
-
-
-def image_flops_summary(summary: ModelSummary) -> ModelSummary:
-    """The same summary (depth and options kept), its FLOPs filled in; other summary types as they are."""
-    kinds = {ModelSummary: ImageFlopsSummary, RichModelSummary: RichImageFlopsSummary}
-    if type(summary) in kinds:
-        summary.__class__ = kinds[type(summary)]
-    return summary

@@ -1,89 +1,93 @@
-"""What every run gets by default: callbacks and checkpoint IO, all under its run folder (loggers: loggers.py)."""
+"""What every run adds to its recipe, as config entries: `add_run_defaults` writes them into the parsed
+config before LightningCLI builds the classes, so `<run_dir>/config.yaml` lists every callback and plugin
+that ran, and a rerun of that file adds none twice. Loggers: the `loggers:` key (loggers.py); the
+callbacks one objective needs: its `run_callbacks` class attribute."""
 
 from __future__ import annotations
 
+import inspect
 import logging
-import signal
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from vitlab.train.objectives.mpp import MaskedPatchPretraining
-from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO
-from vitlab.train.reliability.guards import NonFiniteGuard, RunDirCheck, check_run_dir
-from vitlab.train.reliability.last_checkpoint import LastCheckpoint
-from vitlab.train.reliability.redaction import RedactSecrets, keep_argv_out_of_trackers
-from vitlab.train.reliability.resume import ExactResume
-from vitlab.train.run.callbacks import PerfMonitor
-from vitlab.train.run.figures import FinetuneSource, MaskedPatchFigures, ValidationFigures
-from vitlab.train.run.img_size_schedule import ImgSizeSchedule
-from vitlab.train.run.loggers import RememberWandbRun
 
 log = logging.getLogger("vitlab")
+
+# Appended, in this order, to the recipe's `trainer.callbacks` unless it names the class already.
+RUN_CALLBACKS = (
+    "vitlab.train.run.loggers.RememberWandbRun",
+    "vitlab.train.reliability.end_ranks.EndRanksOnFailure",
+    "vitlab.train.reliability.guards.NonFiniteGuard",
+    "vitlab.train.reliability.resume.ExactResume",
+    "vitlab.train.reliability.redaction.RedactSecrets",
+    "vitlab.train.run.callbacks.PerfMonitor",
+    "vitlab.train.run.figures.FinetuneSource",
+    "vitlab.train.run.img_size_schedule.ImgSizeSchedule",
+    "vitlab.train.run.loggers.RunSummary",
+    "vitlab.train.reliability.run_dir.RunDirCheck",
+)
+BEST = "vitlab.train.reliability.last_checkpoint.BestCheckpoint"  # best val/acc1, unless the recipe has a ModelCheckpoint
+LAST = "vitlab.train.reliability.last_checkpoint.LastCheckpoint"  # last.ckpt, unless a recipe's ModelCheckpoint writes it
+ATOMIC_IO = "vitlab.train.reliability.checkpoint_io.AtomicCheckpointIO"  # unless the recipe's plugins hold a CheckpointIO
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-class EndRanksOnFailure(Callback):
-    """When rank 0 of `--trainer.devices=N` (which launched the other ranks) fails, end those ranks:
-    Lightning does so for Ctrl-C only, and a rank left waiting in a collective holds its GPU until the
-    process-group timeout. SIGTERM is left alone: every rank saves and exits on its own."""
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
-            return
-        launcher = trainer.strategy.launcher
-        procs = getattr(launcher, "procs", None)
-        if isinstance(launcher, _SubprocessScriptLauncher) and procs:
-            log.error("rank 0 failed (%s: %s); ending the %d ranks it started", type(exception).__name__, exception,
-                      len(procs))  # fmt: skip
-            launcher.kill(signal.SIGKILL)
+def _entries(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
-def run_callbacks(
-    run_dir: str | Path, existing: Sequence[Callback], every_n_train_steps: int | None = None,
-    model: LightningModule | None = None,
-) -> list[Callback]:  # fmt: skip
-    """Callbacks every run needs that the recipe did not already configure: the best checkpoint (by
-    val/acc1) and `LastCheckpoint` in `<run_dir>/checkpoints`, the non-finite guard, exact resume, secret
-    redaction, throughput, `model`'s validation figures, the image-size schedule and the run-folder check.
-    Fails now if `run_dir` is not writable."""
-    check_run_dir(run_dir)  # before any logger or callback writes into it
-    keep_argv_out_of_trackers()  # before wandb starts and records the command line
-    extra: list[Callback] = [RememberWandbRun(), EndRanksOnFailure()]
+def _entry(class_path: str, **given: Any) -> Namespace:
+    """A config entry for `class_path`, with every constructor default written out, as jsonargparse writes
+    the entries it parsed (so a rerun of config.yaml saves the same file)."""
+    params = inspect.signature(_class_of({"class_path": class_path})).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return Namespace(class_path=class_path, init_args=Namespace(**{**defaults, **given}))
 
-    def has(kind: type) -> bool:
-        return any(isinstance(cb, kind) for cb in existing)
 
-    if not any(isinstance(cb, ModelCheckpoint) and not isinstance(cb, LastCheckpoint) for cb in existing):
-        extra.append(
-            ModelCheckpoint(
-                dirpath=str(checkpoint_dir(run_dir)), filename="best-epoch{epoch:03d}", auto_insert_metric_name=False,
-                monitor="val/acc1", mode="max", save_top_k=1, save_last=False,  # last.ckpt: LastCheckpoint
-            )  # fmt: skip
-        )
-    if not any(isinstance(cb, ModelCheckpoint) and cb.save_last for cb in existing):
-        extra.append(LastCheckpoint(dirpath=str(checkpoint_dir(run_dir)), every_n_train_steps=every_n_train_steps))
-    elif every_n_train_steps and not has(LastCheckpoint):
+def _class_of(entry: Any) -> type | None:
+    from vitlab.recipe import import_class
+
+    path = entry.get("class_path") if isinstance(entry, (dict, Namespace)) else None
+    return import_class(path, "trainer.callbacks/plugins class_path") if isinstance(path, str) else type(entry)
+
+
+def add_run_defaults(trainer: Namespace, model_class: type, every_n_train_steps: int | None = None) -> None:
+    """Add what every run needs to `trainer` (the parsed `trainer:` section): `RUN_CALLBACKS`, those the
+    objective declares (`model_class.run_callbacks`), the best and last checkpoints in `<run_dir>/checkpoints`
+    and atomic checkpoint writes. A callback of a class the recipe already has is not added."""
+    callbacks = _entries(trainer.get("callbacks"))
+    classes = [_class_of(cb) for cb in callbacks]
+    wanted = (*RUN_CALLBACKS, *getattr(model_class, "run_callbacks", ()))
+    added = [_entry(path) for path in wanted
+             if not any(c is not None and issubclass(c, _class_of({"class_path": path})) for c in classes)]
+    checkpoints = [(c, cb) for c, cb in zip(classes, callbacks) if c is not None and issubclass(c, ModelCheckpoint)]
+    if not any(c.__name__ != "LastCheckpoint" for c, _ in checkpoints):
+        added.append(_entry(BEST))
+    writes_last = [cb for c, cb in checkpoints if c.__name__ == "LastCheckpoint" or _init_arg(cb, "save_last")]
+    if not writes_last:
+        added.append(_entry(LAST, every_n_train_steps=every_n_train_steps))
+    elif every_n_train_steps and not any(c.__name__ == "LastCheckpoint" for c, _ in checkpoints):
         log.warning(
             "the recipe's ModelCheckpoint writes last.ckpt, so checkpoint_every_n_steps=%d is not applied; "
-            "use vitlab.train.reliability.last_checkpoint.LastCheckpoint(every_n_train_steps=...) in its place",
-            every_n_train_steps,
-        )
-    # Masked patch prediction draws its corrupted and predicted patches; a prediction grid means nothing there.
-    figures = MaskedPatchFigures if isinstance(model, MaskedPatchPretraining) else ValidationFigures
-    kinds = (NonFiniteGuard, ExactResume, RedactSecrets, PerfMonitor, figures, FinetuneSource, ImgSizeSchedule)
-    extra += [kind() for kind in (*kinds, RunDirCheck) if not has(kind)]
-    return extra
+            "use %s(every_n_train_steps=...) in its place", every_n_train_steps, LAST,
+        )  # fmt: skip
+    trainer["callbacks"] = callbacks + added
+    plugins = _entries(trainer.get("plugins"))
+    if not any(isinstance(c, type) and issubclass(c, CheckpointIO) for c in map(_class_of, plugins)):
+        trainer["plugins"] = [*plugins, _entry(ATOMIC_IO)]
+
+
+def _init_arg(entry: Any, key: str) -> Any:
+    if isinstance(entry, (dict, Namespace)):
+        return (entry.get("init_args") or {}).get(key)
+    return getattr(entry, key, None)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -103,10 +107,3 @@ def cpu_precision(precision: str | int | None, accelerator: Any = "cpu") -> str 
     log.warning("precision %s: this CPU has no avx512_bf16 or AMX, so bf16 would run slower than float32; "
                 "training in 32-true instead", precision)  # fmt: skip
     return "32-true"
-
-
-def run_plugins(existing: Sequence[Any] | None = None) -> list[Any]:
-    """`AtomicCheckpointIO`, unless the recipe's plugins hold a CheckpointIO."""
-    if any(isinstance(p, CheckpointIO) for p in existing or []):
-        return []
-    return [AtomicCheckpointIO()]

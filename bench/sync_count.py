@@ -4,16 +4,20 @@ On CUDA torch reports them (`torch.cuda.set_sync_debug_mode("warn")`), plus expl
 `torch.cuda.synchronize()` calls. On the CPU nothing waits, so the calls that would on a GPU are counted:
 host reads of a tensor's value (`item`, `tolist`, `bool()`...), except the data pipeline's. That misses
 syncs inside torch's operators (`nonzero`); the CUDA count has exactly the device's.
+Used by tests/test_host_sync.py and bench/gpu_check.py (`SyncsPerStep` in a `vitlab fit`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -82,12 +86,14 @@ def count_syncs(device: str | torch.device = "cuda") -> Iterator[SyncCount]:
 
 class SyncsPerStep(Callback):
     """Counts the host-device synchronisations of the training batches (their hooks, logging and the next
-    batch's fetch; not validation), after `skip_steps` warm-up steps: `steps`, `count`, `per_step`."""
+    batch's fetch; not validation) of steps [`skip_steps`, `last_step`): `steps`, `count`, `per_step`,
+    `step_counts`. With `$VITLAB_SYNC_OUT` set, rank 0 writes {"device", "counts", "where"} there as JSON."""
 
-    def __init__(self, skip_steps: int = 1) -> None:
-        self.skip_steps = skip_steps
+    def __init__(self, skip_steps: int = 1, last_step: int | None = None) -> None:
+        self.skip_steps, self.last_step = skip_steps, last_step
         self.steps = 0
         self.count = SyncCount(active=False)
+        self.step_counts: list[int] = []
         self._counter: Any = None
 
     @property
@@ -100,9 +106,12 @@ class SyncsPerStep(Callback):
         self.count.active = False
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_step >= self.skip_steps:
+        if trainer.global_step >= self.skip_steps and (self.last_step is None or trainer.global_step < self.last_step):
             self.count.active = True
             self.steps += 1
+            self.step_counts.append(self.count.total)
+        else:
+            self.count.active = False
 
     def _pause(self, *args: Any) -> None:
         self.count.active = False  # validation and the epoch's own logging are not a step's
@@ -115,4 +124,14 @@ class SyncsPerStep(Callback):
             self._counter.__exit__(None, None, None)
             self._counter = None
 
-    on_train_end = on_exception = _stop
+    on_exception = _stop
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop()
+        out = os.environ.get("VITLAB_SYNC_OUT")
+        if out and trainer.is_global_zero:
+            # each counted step's syncs run from its batch start to the next counted batch start (or the end)
+            ends = [*self.step_counts[1:], self.count.total]
+            counts = [end - start for start, end in zip(self.step_counts, ends)]
+            Path(out).write_text(json.dumps({"device": pl_module.device.type, "counts": counts,
+                                             "where": dict(self.count.sites)}))  # fmt: skip
