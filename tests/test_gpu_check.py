@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import pack_gpu_data  # noqa: E402
 
-SECTIONS = ["environment", "recipe", "correctness", "distributed", "speed", "transfer"]
+SECTIONS = ["environment", "feed", "transfer", "recipe", "correctness", "distributed", "speed"]
 PER_CLASS = {"cifar10": 20, "cifar10_small": 10, "tinyimagenet": 2, "tinyimagenet_val": 1, "imagenette": 8}
 
 
@@ -91,6 +91,8 @@ def test_cpu_run_passes_every_check_and_reports_every_section(packed: Path, tmp_
     assert 0.0 <= rows[("recipe", "CIFAR-10 val top-1")]["acc1"] <= 1.0
     assert rows[("recipe", "CIFAR-10 train img/s")]["ips"] > 0
     assert rows[("recipe", "CIFAR-10 recipe")]["steps"] > 0
+    feed = {k[1]: r for k, r in rows.items() if k[0] == "feed"}
+    assert all(feed[f"feed {name}"]["train_ips"] > 0 for name in ("synthetic", "cpu", "device"))
     transfer = [r for k, r in rows.items() if k[0] == "transfer"]
     assert len(transfer) == 2 and all(0.0 <= r["acc1"] <= 1.0 and r["minutes"] > 0 for r in transfer)
     assert "128px" in transfer[1]["check"] and "64px" in transfer[0]["check"]

@@ -268,6 +268,43 @@ def test_validate_and_test_at_another_size_resample_say_so_and_equal_the_sweep(
 
 
 @pytest.mark.slow
+def test_validate_and_test_score_at_the_recorded_test_size(
+    runs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint that records a test size is validated and tested at it by default, with one line saying
+    so; `--use_test_size=false` scores at the recipe's size. Each equals the sweep at that size."""
+    import shutil
+
+    from cli_probe import csv_rows, last_value
+
+    from vitlab.analysis.resolution import sweep
+    from vitlab.cli import main
+    from vitlab.interop import EvalSize
+    from vitlab.interop.eval_size import record_test_size
+
+    ckpt = tmp_path / "tuned.ckpt"
+    shutil.copy(runs["finetune"], ckpt)
+    record_test_size(ckpt, EvalSize((40, 40), 0.9))
+    scores = {}
+    for stage, extra in (("validate", []), ("test", []), ("validate", ["--use_test_size=false"])):
+        run = tmp_path / f"{stage}{len(extra)}"
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            assert main([stage, "--config", str(runs["recipe"]), "--run_dir", str(run), "--ckpt_path", str(ckpt),
+                         *extra]) == 0  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "recorded test size" in r.getMessage()]
+        assert said == ([] if extra else [f"{stage}: at the checkpoint's recorded test size 40x40, crop 0.9 "
+                                          "(the recipe's 32; --use_test_size=false scores at that)"])  # fmt: skip
+        key = "val" if stage == "validate" else "test"
+        scores[stage, len(extra)] = last_value(csv_rows(run), f"{key}/acc1"), last_value(csv_rows(run), f"{key}/loss")
+    rows = {r.img_size: r for r in sweep(str(ckpt), None, [32, 40])}
+    assert scores["validate", 0] == scores["test", 0]  # no test/ folder: `vitlab test` scores the validation images
+    for size, n in ((40, 0), (32, 1)):
+        assert rows[size].acc1 == pytest.approx(scores["validate", n][0], abs=1e-6), size
+        assert rows[size].loss == pytest.approx(scores["validate", n][1], rel=1e-5), size
+
+
+@pytest.mark.slow
 def test_resolution_command_table_json_and_one_curve_per_checkpoint(
     runs: dict[str, Path], capsys: pytest.CaptureFixture
 ) -> None:
@@ -386,6 +423,13 @@ def test_finetune_report_draws_the_source_and_the_fine_tuned_model_around_both_s
     tuned = [r for r in rows if r["label"] == "fine-tuned"]
     best = max(tuned, key=lambda r: (r["acc1"], -abs(r["img_size"] - 48), -r["img_size"]))
     assert recorded_test_size(run / "checkpoints" / "last.ckpt").img_size == (best["img_size"],) * 2
+    # ... and on the run's dashboard row (TensorBoard's HParams tab reads these tags).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("vitals/val/test_size")] == [best["img_size"]]
+    assert acc.Scalars("vitals/val/test_size_acc1")[0].value == pytest.approx(best["acc1"], abs=1e-6)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -115,11 +116,11 @@ def _top_key(item: Any) -> str:
 
 
 def wandb_run(run_dir: Path) -> dict[str, Any]:
-    """{dir, id, history keys, config keys, exited} of each offline wandb run under run_dir/wandb."""
+    """{dir, id, history keys, config keys, summary keys, exited} of each offline wandb run under run_dir/wandb."""
     out = []
     for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
         (file,) = folder.glob("run-*.wandb")
-        history, config, run_id, exited = set(), set(), None, False
+        history, config, summary, run_id, exited = set(), set(), set(), None, False
         for r in wandb_records(file):
             kind = r.WhichOneof("record_type")
             if kind == "run":
@@ -128,9 +129,12 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
                 history |= {_top_key(i) for i in r.history.item}
             elif kind == "config":
                 config |= {_top_key(i) for i in r.config.update}
+            elif kind == "summary":
+                summary |= {_top_key(i) for i in r.summary.update}
             elif kind == "exit":
                 exited = True
-        out.append({"dir": folder, "id": run_id, "history": history, "config": config, "exited": exited})
+        out.append({"dir": folder, "id": run_id, "history": history, "config": config, "summary": summary,
+                    "exited": exited})  # fmt: skip
     return out
 
 
@@ -153,12 +157,17 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     first_top = {p.name for p in run.iterdir()}
     rc, out2, _, _ = run_cli([*args, "--ckpt_path", "last", "--trainer.max_epochs", "2"], cwd, timeout=180, env=env)
     assert rc == 0, out2[-4000:]
-    return {"tmp": tmp, "data": data, "run": run, "cwd": cwd, "first": first, "ckpt_id": ckpt_id,
-            "first_top": first_top, "out": out}  # fmt: skip
+    # A second run beside it, for the dashboard's one row per run.
+    other = tmp / "other"
+    rc, out3, _, _ = run_cli(["fit", "--config", str(recipe), "--run_dir", str(other), "--model.lr", "5e-4"], cwd,
+                             timeout=180)  # fmt: skip
+    assert rc == 0, out3[-4000:]
+    return {"tmp": tmp, "data": data, "run": run, "other": other, "cwd": cwd, "first": first, "ckpt_id": ckpt_id,
+            "first_top": first_top, "out": out, "recipe": recipe}  # fmt: skip
 
 
 def test_tensorboard_holds_scalars_and_figures(tracked: dict[str, Any]) -> None:
-    acc = tensorboard_events(tracked["run"] / "tensorboard")
+    acc = tensorboard_events(tracked["run"])
     tags = acc.Tags()
     assert TB_SCALARS <= set(tags["scalars"]), TB_SCALARS - set(tags["scalars"])
     assert IMAGES <= set(tags["images"]), IMAGES - set(tags["images"])
@@ -241,10 +250,12 @@ def test_time_series_order_follows_tensorboard() -> None:
     assert groups["val"] == ["val/acc5", "val/acc10"]
 
 
-def _get_json(url: str, deadline: float) -> Any:
+def _get_json(url: str, deadline: float, post: Any = None) -> Any:
+    data = None if post is None else json.dumps(post).encode()
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as response:
                 return json.loads(response.read())
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             if time.monotonic() > deadline:
@@ -262,32 +273,48 @@ def test_make_dashboard_serves_the_run(tracked: dict[str, Any]) -> None:
     log = tracked["tmp"] / "dashboard.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            ["make", "--no-print-directory", "dashboard", f"VENV={venv}", f"PORT={port}", f"LOGDIR={tracked['run']}"],
+            ["make", "--no-print-directory", "dashboard", f"VENV={venv}", f"PORT={port}", f"LOGDIR={tracked['tmp']}"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}/data/plugin"
     try:
         scalars = _get_json(f"{base}/scalars/tags", time.monotonic() + 120)
         images = _get_json(f"{base}/images/tags", time.monotonic() + 30)
-        query = urllib.parse.urlencode({"run": "tensorboard", "tag": "val/acc1"})
+        query = urllib.parse.urlencode({"run": "run", "tag": "val/acc1"})
         acc1 = _get_json(f"{base}/scalars/scalars?{query}", time.monotonic() + 30)
         plugins = _get_json(f"http://127.0.0.1:{port}/data/plugins_listing", time.monotonic() + 30)
         cards = _get_json(f"{base}/timeseries/tags", time.monotonic() + 30)
+        groups_request = {"experimentName": "", "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"],
+                          "colParams": [], "startIndex": 0, "sliceSize": 100}  # fmt: skip
+        sessions = _get_json(f"{base}/hparams/session_groups", time.monotonic() + 30, groups_request)
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the session we started: make and its TensorBoard
         server.wait(timeout=30)
-    assert {"train/loss", "val/acc1", "vitals/lr", "vitals/train/device/samples_per_sec"} <= set(scalars["tensorboard"])
-    assert IMAGES <= set(images["tensorboard"]), images
+    assert {"train/loss", "val/acc1", "vitals/lr", "vitals/train/device/samples_per_sec"} <= set(scalars["run"])
+    assert IMAGES <= set(images["run"]), images
     assert len(acc1) == 2  # one validation before the resume, one after
     csv_acc1 = [float(r["val/acc1"]) for r in csv_rows(tracked["run"]) if r.get("val/acc1")]
     assert acc1[-1][2] == pytest.approx(csv_acc1[-1])  # [wall time, step, value]
     # The frontend opens on the first enabled dashboard; Time Series shows scalar and image cards.
     assert next(name for name, plugin in plugins.items() if plugin["enabled"]) == "timeseries"
-    groups = time_series_groups([*cards["scalars"]["runTagInfo"]["tensorboard"], *cards["images"]["tagRunSampledInfo"]])
+    groups = time_series_groups([*cards["scalars"]["runTagInfo"]["run"], *cards["images"]["tagRunSampledInfo"]])
     first, second, *collapsed = groups.items()
     assert first == ("train", ["train/acc1", "train/acc1_epoch", "train/loss", "train/loss_epoch"])
-    assert second == ("val", ["val/acc1", "val/attention", "val/confusion_matrix", "val/loss", "val/predictions"])
+    assert second == ("val", ["val/acc1", "val/acc1_best", "val/attention", "val/confusion_matrix", "val/loss",
+                              "val/predictions"])  # fmt: skip
     assert [name for name, _ in collapsed] == ["vitals"] and "vitals/lr" in groups["vitals"]
+    # The HParams tab: one row per run, named by its run folder, its hyperparameters beside its metrics.
+    rows = {group["name"]: group for group in sessions["sessionGroups"]}
+    assert set(rows) == {"run", "other"}, rows.keys()
+    run = rows["run"]
+    assert run["hparams"] == {"recipe": str(tracked["recipe"]), "init_from": "scratch", "epochs": 2.0, "img_size": 32.0,
+                              "size_schedule": "none", "lr": 1e-3, "batch_size": 16.0, "precision": "32-true"}  # fmt: skip
+    assert rows["other"]["hparams"]["lr"] == 5e-4 and rows["other"]["hparams"]["epochs"] == 1.0
+    metrics = {m["name"]["tag"]: m["value"] for m in run["metricValues"]}
+    assert metrics["val/acc1"] == pytest.approx(csv_acc1[-1], abs=1e-6)
+    assert metrics["val/acc1_best"] == pytest.approx(max(csv_acc1), abs=1e-6)
+    # Minutes add up over the resume: both fits' training time, less than the test's whole wall time.
+    assert 0 < metrics["vitals/minutes"] < 6
 
 
 def test_offline_wandb_run_has_the_same_keys(tracked: dict[str, Any]) -> None:
@@ -296,6 +323,8 @@ def test_offline_wandb_run_has_the_same_keys(tracked: dict[str, Any]) -> None:
     assert SCALARS <= first["history"], SCALARS - first["history"]
     assert IMAGES <= first["history"], IMAGES - first["history"]
     assert {"lr", "arch", "model_args"} <= first["config"]
+    assert {"recipe", "init_from", "epochs", "size_schedule", "batch_size", "precision"} <= first["config"]
+    assert {"val/acc1_best", "minutes"} <= first["history"]
     assert first["id"] and tracked["ckpt_id"] == first["id"]
 
 
@@ -308,11 +337,31 @@ def test_resuming_continues_the_same_wandb_run(tracked: dict[str, Any]) -> None:
 
 def test_everything_stays_in_the_run_folder(tracked: dict[str, Any]) -> None:
     assert not any(tracked["cwd"].iterdir()), list(tracked["cwd"].iterdir())
-    expected = {"checkpoints", "config.yaml", "csv", "figures", "tensorboard", "wandb"}
+    expected = {"checkpoints", "config.yaml", "csv", "figures", "wandb"}
     assert expected <= tracked["first_top"], expected - tracked["first_top"]
     assert "lightning_logs" not in tracked["first_top"] and "wandb" not in {p.name for p in tracked["tmp"].iterdir()}
+    # TensorBoard's events lie in the run folder itself (the dashboard names the run by it), alone.
+    assert any(name.startswith("events.out.tfevents.") for name in tracked["first_top"])
+    assert "hparams.yaml" not in tracked["first_top"]
     figures = {p.name for p in (tracked["run"] / "figures").iterdir()}
     assert figures == {"predictions.png", "attention.png", "confusion_matrix.png"}
+
+
+def test_test_size_joins_the_run_row(tracked: dict[str, Any], tmp_path: Path) -> None:
+    """What `vitlab resolution` adds (`log_test_size`) lands in the run's own TensorBoard run, beside the
+    hparams record that declares it, and in the summary of the wandb run its checkpoint names."""
+    run = tmp_path / "run"
+    shutil.copytree(tracked["run"], run)
+    before = {p.name for p in (run / "wandb").glob("offline-run-*")}
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "vitlab-test", "WANDB_SILENT": "true"}
+    code = f"from vitlab.train.run.loggers import log_test_size; log_test_size({str(run)!r}, 40, 0.625, 7)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, **env})
+    acc = tensorboard_events(run)
+    assert [(e.step, e.value) for e in acc.Scalars("vitals/val/test_size")] == [(7, 40.0)]
+    assert [e.value for e in acc.Scalars("vitals/val/test_size_acc1")] == [0.625]
+    assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
+    (added,) = [r for r in wandb_run(run) if r["dir"].name not in before]
+    assert added["id"] == tracked["ckpt_id"] and {"val/test_size", "val/test_size_acc1"} <= added["summary"]
 
 
 def test_finetune_run_records_its_source(
@@ -325,7 +374,7 @@ def test_finetune_run_records_its_source(
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     main(["fit", "--config", str(recipe), "--run_dir", str(run), "--model.init_from", str(source)])
-    acc = tensorboard_events(run / "tensorboard")
+    acc = tensorboard_events(run)
     (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith("finetune/source")]  # add_text appends a suffix
     text = acc.Tensors(tag)[0].tensor_proto.string_val[0].decode()
     assert str(source) in text and "4x4 -> 6x6" in text and "3 -> 2" in text

@@ -53,6 +53,7 @@ class VitlabCLI(LightningCLI):
     a plain section, as every classifier recipe has (`model: {arch: ..., ...}`), configures `ViTClassifier`."""
 
     resume_from: str | None = None  # the checkpoint the run starts from (`--ckpt_path` resolved)
+    _args: list[str] = []  # the command line as parsed
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         silence_known_warnings()
@@ -87,6 +88,11 @@ class VitlabCLI(LightningCLI):
             "--checkpoint_every_n_steps", type=int | None, default=None,
             help="Also save <run_dir>/checkpoints/last.ckpt every N optimizer steps (a kill loses at most N).",
         )  # fmt: skip
+        parser.add_argument(
+            "--use_test_size", type=bool, default=True,
+            help="validate/test: score at the test size `vitlab resolution` recorded in the checkpoint (false: the "
+                 "recipe's size); an explicit --data.init_args.img_size wins.",
+        )  # fmt: skip
         parser.link_arguments("run_dir", "trainer.default_root_dir")
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})  # init_args without a class_path go here
         # The data decides what the model predicts and how its inputs look. A model without one of
@@ -109,6 +115,25 @@ class VitlabCLI(LightningCLI):
         self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"))
         if cfg.get("ckpt_path") == LAST:  # the record must rerun in a fresh folder too
             cfg["ckpt_path"] = LAST_IF_PRESENT
+        if self.subcommand in ("validate", "test") and cfg.get("use_test_size"):
+            self._score_at_test_size(cfg)
+
+    def _score_at_test_size(self, cfg: Any) -> None:
+        """`vitlab validate|test` of a checkpoint that records a test size score at it, as every other consumer
+        of the checkpoint does (the model is built at that size; loading resamples its position embeddings)."""
+        from vitlab.interop import recorded_test_size
+
+        ckpt = checkpoint_dir(cfg.get("run_dir") or ".") / "last.ckpt" if self.resume_from == LAST else self.resume_from
+        size = recorded_test_size(ckpt) if ckpt else None
+        given = {a.split("=")[0] for a in self._args} & {"--data.init_args.img_size", "--data.img_size"}
+        if size is None or given or size.img_size[0] != size.img_size[1]:  # the data modules take square sizes
+            return
+        trained = cfg.get("data.init_args.img_size")
+        cfg["data.init_args.img_size"], cfg["data.init_args.crop_pct"] = size.img_size[0], size.crop_pct
+        if "img_size" in (cfg.get("model.init_args") or {}):
+            cfg["model.init_args.img_size"] = size.img_size[0]
+        rank_zero_info(f"{self.subcommand}: at the checkpoint's recorded test size {size} (the recipe's {trained}; "
+                       "--use_test_size=false scores at that)")  # fmt: skip
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
@@ -123,6 +148,7 @@ class VitlabCLI(LightningCLI):
         if sub is not None:  # the keys this subcommand's config takes, checkpoint_every_n_steps included
             top_keys = sorted({a.dest.split(".")[0] for a in sub._actions} - {"help", "config", "print_config"})
         check_config_args(args, top_keys)
+        self._args = args
         self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

@@ -8,12 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitlab.analysis.resolution.choose import record_choice
+from vitlab.analysis.resolution.choose import choose_test_size, record_choice
 from vitlab.analysis.resolution.data import recorded
 from vitlab.analysis.resolution.report import format_table, to_tensorboard, write_report
 from vitlab.analysis.resolution.score import Limit
 from vitlab.analysis.resolution.sweep import Row, around, sweep
 from vitlab.errors import UserError
+from vitlab.train.run.loggers import log_test_size
 
 
 def run_limit(run_dir: str | Path) -> Limit:
@@ -48,7 +49,8 @@ def finetune_report(
     (on the fine-tune data) at the pretraining size, the fine-tune size, their midpoint and a size below
     and above, each over the run's `limit_val_batches` unless `limit_batches` is given;
     `run_dir/resolution/resolution.{json,png}`, the figure in the run's TensorBoard, and (`record`) the
-    fine-tuned model's best size written into `checkpoints/last.ckpt` as its test size."""
+    fine-tuned model's best size written into `checkpoints/last.ckpt` as its test size, and onto the
+    run's dashboard row."""
     run = Path(run_dir)
     ckpt = run / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
@@ -81,6 +83,8 @@ def finetune_report(
     to_tensorboard(run, rows, title, int(rec.get("global_step") or 0))
     if record and (line := record_choice(tuned, ckpt)):
         print(line)
+        chosen = choose_test_size(tuned)
+        log_test_size(run, chosen.img_size, chosen.acc1, int(rec.get("global_step") or 0))  # the dashboard row
     return paths
 
 

@@ -211,6 +211,7 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
 
     def _init_from_pretrained(self, path: str, args: dict[str, Any]) -> VisionTransformer:
         from vitlab.interop import load_pretrained, resolve_source  # imported only when used
+        from vitlab.interop.eval_size import TEST_KEYS
 
         # A hub name or URL is fetched once and pinned (hf-hub:ORG/NAME@<commit>, URL#sha256=<hex>): the
         # checkpoint's hyperparameters and the init summary then name exactly the weights this run started from.
@@ -224,7 +225,10 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         # A new patch size and input size are applied together after loading (kernel PI-resized, position
         # embeddings resampled once from the source's grid, as timm's set_input_size does).
         img_size, patch_size = config.pop("img_size", None), config.pop("patch_size", None)
-        model = load_pretrained(path, num_classes=config.pop("num_classes", None), config=config)
+        # As trained: the source's recorded test size is its own, and the grid is resampled once, below.
+        model = load_pretrained(path, num_classes=config.pop("num_classes", None), config=config, use_test_size=False)
+        for key in TEST_KEYS:  # this run records its own (`vitlab resolution`)
+            model.data_config.pop(key, None)
         if not isinstance(model, VisionTransformer):
             raise TypeError(f"load_pretrained returned {type(model).__name__}, expected a VisionTransformer")
         old_patch = model.patch_embed.patch_size

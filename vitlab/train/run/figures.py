@@ -52,16 +52,11 @@ def last_layer_attention(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, tor
     """Logits `[B, classes]` and the last block's attention to the patches, `[B, h, w]`, heads averaged,
     from the rows the model pools: the class token's, the mean of the patch rows (GAP), or the rows
     weighted by the learned pooling weights (sequence pooling)."""
+    from vitlab.analysis.rollout import pooling_weights
+
     logits, attn = model.forward_attention(x)
     a = attn[-1].float().mean(dim=1)  # [B, N, N], heads averaged
-    prefix = int(model.num_prefix_tokens)
-    if model.pool == "token":
-        row = a[:, 0, prefix:]
-    elif model.pool == "seq":
-        weights = model.seq_pool_weights(model.forward_features(x)).float()  # [B, N, 1]
-        row = (weights.transpose(1, 2) @ a)[:, 0, prefix:]
-    else:
-        row = a[:, prefix:, prefix:].mean(dim=1)
+    row = (pooling_weights(model, x).unsqueeze(1) @ a)[:, 0, int(model.num_prefix_tokens) :]
     h, w = model.patch_embed.grid_size
     return logits.float(), row.reshape(-1, h, w)
 
