@@ -56,7 +56,6 @@ class VitlabCLI(LightningCLI):
     _args: list[str] = []  # the command line as parsed
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
-        silence_known_warnings()
         super().__init__(
             LightningModule,
             ImageDataModule,
@@ -283,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    silence_known_warnings()  # every subcommand: `vitlab resolution` runs Lightning and loaders too
     if argv and argv[0] == "resolution":
         from vitlab.analysis.resolution import main as resolution_main
 

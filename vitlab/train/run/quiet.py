@@ -8,7 +8,7 @@ import warnings
 KNOWN_HARMLESS = (
     # Lightning 2.6's own pytree helper (lightning/pytorch/utilities/_pytree.py) uses torch's deprecated LeafSpec.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning's code, not vitlab's"),
-    # vitlab's shard datasets define __len__ knowing each worker reads its own shards (data/shards.py).
+    # vitlab's shard datasets define __len__ knowing each worker reads its own shards (data/shard_stream.py).
     (r"Your `IterableDataset` has `__len__` defined", "each loader worker reads its own shards"),
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch.
     (r"'set_vital' is deprecated", "torchdata's code, not vitlab's"),
