@@ -21,7 +21,15 @@ log = logging.getLogger("vitlab")
 WANDB_ID_KEY = "wandb_run_id"
 
 
-def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
+def wandb_run_id(ckpt: Path) -> str | None:
+    """The wandb run a checkpoint names (`RememberWandbRun`), or None."""
+    if not ckpt.is_file():
+        return None
+    return torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get(WANDB_ID_KEY)
+
+
+def _wandb_logger(run_dir: Path, run_id: str | None) -> WandbLogger:
+    """A WandbLogger under `run_dir/wandb`, continuing the wandb run `run_id` when given."""
     wandb_dir = run_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
@@ -32,13 +40,6 @@ def _wandb_logger(run_dir: Path, ckpt_path: str | None) -> WandbLogger:
             "wandb: no API key found, logging offline to %s; upload later with `wandb sync %s/offline-run-*`",
             wandb_dir, wandb_dir,
         )  # fmt: skip
-    from vitlab.train.run.defaults import checkpoint_dir  # defaults imports this module
-
-    # A resumed run continues the wandb run its checkpoint names.
-    ckpt = checkpoint_dir(run_dir) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path or "")
-    run_id = None
-    if ckpt_path and ckpt.is_file():
-        run_id = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get(WANDB_ID_KEY)
     return WandbLogger(
         save_dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "vitlab"), name=run_dir.name,
         offline=offline, id=run_id, resume="allow" if run_id else None,
@@ -77,12 +78,21 @@ def run_loggers(run_dir: str | Path, names: Sequence[str], ckpt_path: str | None
             str(run_dir.parent), run_dir.name, "", default_hp_metric=False
         ),
         "csv": lambda: CSVLogger(save_dir=str(run_dir), name="csv", version=""),
-        "wandb": lambda: _wandb_logger(run_dir, ckpt_path),
+        "wandb": lambda: _wandb_logger(run_dir, _resumed_wandb_id(run_dir, ckpt_path)),
     }
     for name in names:
         if name not in make:
             raise ValueError(f"unknown logger {name!r}; choose from tensorboard, csv, wandb")
     return [make[name]() for name in names]
+
+
+def _resumed_wandb_id(run_dir: Path, ckpt_path: str | None) -> str | None:
+    """A resumed run continues the wandb run its checkpoint names."""
+    from vitlab.train.run.defaults import checkpoint_dir  # defaults imports this module
+
+    if not ckpt_path:
+        return None
+    return wandb_run_id(checkpoint_dir(run_dir) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path))
 
 
 class RememberWandbRun(Callback):
@@ -199,11 +209,8 @@ def log_test_size(run_dir: str | Path, test_size: int, top1: float, step: int) -
     metrics = {"val/test_size": float(test_size), "val/test_size_acc1": float(top1)}
     if any(run_dir.glob("events.out.tfevents.*")):
         write_tensorboard_summary(run_dir, None, metrics, step, "test_size")
-    last = run_dir / "checkpoints" / "last.ckpt"
-    run_id = None
-    if (run_dir / "wandb").is_dir() and last.is_file():
-        run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get(WANDB_ID_KEY)
+    run_id = wandb_run_id(run_dir / "checkpoints" / "last.ckpt") if (run_dir / "wandb").is_dir() else None
     if run_id:
-        logger = _wandb_logger(run_dir, str(last))
+        logger = _wandb_logger(run_dir, run_id)
         logger.experiment.summary.update(metrics)
         logger.experiment.finish()
