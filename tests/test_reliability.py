@@ -11,6 +11,7 @@ each write, so a kill lands mid-write.
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import re
@@ -31,9 +32,9 @@ from lightning.pytorch.callbacks import Callback
 from vitlab.data import ImageFolderDataModule
 from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO, CheckpointLoadError, is_temp_checkpoint
 from vitlab.train.reliability.guards import NonFiniteLossError
-from vitlab.train.reliability.run_dir import RunDirError
 from vitlab.train.reliability.lightning_internals import TESTED_LIGHTNING, check_lightning_version
 from vitlab.train.reliability.redaction import REDACTED, redact, secret_values
+from vitlab.train.reliability.run_dir import RunDirError
 
 TESTS = Path(__file__).resolve().parent
 MODEL = {
@@ -491,36 +492,49 @@ def test_untested_lightning_version_fails_with_a_clear_message() -> None:
         check_lightning_version("2.7.0")
 
 
-class TermAfterFirstStep(Callback):
-    """Sends this process SIGTERM (a preemption) after the first optimizer step."""
+class TermAt(Callback):
+    """Sends this process SIGTERM (a preemption): after the first optimizer step, or during the first batch
+    of the first validation (`in_validation`)."""
+
+    def __init__(self, in_validation: bool = False) -> None:
+        self.in_validation = in_validation
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == 1:
+        if not self.in_validation and trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
+        if self.in_validation and not trainer.sanity_checking and batch_idx == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_a_terminated_fit_stands_its_signal_watchdog_down(image_folder: Path, tmp_path: Path) -> None:
-    """A fit stopped by SIGTERM inside a process that lives on (a notebook, a test runner) leaves no signal
-    watchdog behind: Lightning skips the callbacks' teardown after an exception, and a watchdog left running
-    would end the process `signal_timeout_s` after the signal."""
+@pytest.mark.parametrize("in_validation", [False, True], ids=["training", "validation"])
+def test_a_terminated_fit_saves_and_stands_its_signal_watchdog_down(
+    image_folder: Path, tmp_path: Path, in_validation: bool
+) -> None:
+    """SIGTERM stops a fit where it lands: after that training batch, or inside the validation (6 steps in)
+    before any later step; last.ckpt holds that step. Inside a process that lives on (a notebook, a test
+    runner) the fit leaves no signal watchdog behind: Lightning skips the callbacks' teardown after an
+    exception, and a watchdog left running would end the process `signal_timeout_s` after the signal."""
     import threading
 
     from vitlab.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": 5, "enable_progress_bar": False, "enable_model_summary": False},
+        "trainer": {"max_steps": 10, "enable_progress_bar": False, "enable_model_summary": False},
         "model": {"arch": "vit_tiny_patch16",
                   "model_args": {"patch_size": 8, "depth": 1, "embed_dim": 16, "num_heads": 2, "mlp_ratio": 2}},
         "data": {"class_path": "vitlab.data.ImageFolderDataModule",
                  "init_args": {"root": str(image_folder), "img_size": 32, "batch_size": 4, "num_workers": 0}},
     }))  # fmt: skip
-    term = '{"class_path": "test_reliability.TermAfterFirstStep"}'
+    term = json.dumps({"class_path": "test_reliability.TermAt", "init_args": {"in_validation": in_validation}})
     args = ["fit", "--config", str(recipe), "--run_dir", str(tmp_path / "run"), "--loggers=[csv]",
             f"--trainer.callbacks+={term}"]  # fmt: skip
     with pytest.raises(BaseException):  # Lightning's SIGTERMException, or the exit it leads to
         main(args)
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # the signal's save happened
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == (6 if in_validation else 1)  # 24 images, batch 4: 6 steps an epoch
     assert signal.set_wakeup_fd(-1) == -1, "a signal watchdog's wake-up fd is still installed"
-    time.sleep(0.5)  # the watchdog thread ends within its 0.2 s poll once stood down
+    time.sleep(0.5)  # the watchdog thread ends at once when stood down
     assert not [t for t in threading.enumerate() if t.name == "vitlab-signal-watchdog" and t.is_alive()]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -130,17 +130,11 @@ def _rank(rank: int, root: Path, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_saves_and_signals_run_no_collective_in_state_dict_or_handler(tmp_path: Path) -> None:
     """2 ranks, a checkpoint every step, SIGTERM to rank 1 only during step 2: every save's state_dict and
     the handler run with collectives forbidden; both ranks stop after that batch; last.ckpt holds each
     rank's own random state, the one it had when the save began."""
-    mp.start_processes(_rank, args=(tmp_path, _free_port()), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(tmp_path, find_free_network_port()), nprocs=2, start_method="spawn")
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == SIGNAL_AT + 1  # the signalled batch finished on both ranks, then they stopped
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("ExactResume")]

@@ -11,7 +11,6 @@ kernels, gloo sums two ranks in a fixed order). Tiny ViT, 3 generated classes x 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from cli_probe import kill_session
 from helpers import image_tree
 
 pytestmark = pytest.mark.slow
@@ -70,10 +70,7 @@ def end(proc: subprocess.Popen, timeout: float) -> int:
     try:
         return proc.wait(timeout=timeout)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session we started (ranks and workers), nothing else
-        except ProcessLookupError:
-            pass
+        kill_session(proc)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -100,7 +97,7 @@ def test_mid_epoch_kill_and_resume_equals_an_uninterrupted_run(data: Path, tmp_p
     deadline = time.monotonic() + 300
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_session(proc)  # SIGKILL, the whole job
     end(proc, timeout=60)
     assert last.exists(), log.read_text()[-4000:]
     step = load(last)["global_step"]

@@ -104,7 +104,16 @@ def test_conv_tokenizer_written_out() -> None:
     w1, w2 = tok.convs[0][0].weight, tok.convs[1][0].weight
     y = F.max_pool2d(F.relu(F.conv2d(x, w1, padding=1)), 3, 2, 1)
     y = F.max_pool2d(F.relu(F.conv2d(y, w2, padding=1)), 3, 2, 1)
-    torch.testing.assert_close(tok(x), y.flatten(2).transpose(1, 2))
+    expected = y.flatten(2).transpose(1, 2)
+    torch.testing.assert_close(tok(x), expected)
+    # It runs channels-last inside; the gradients are those of the plain NCHW computation.
+    x.requires_grad_(True)
+    ref = [t.detach() for t in torch.autograd.grad(
+        (F.max_pool2d(F.relu(F.conv2d(F.max_pool2d(F.relu(F.conv2d(x, w1, padding=1)), 3, 2, 1), w2, padding=1)),
+                      3, 2, 1) ** 2).sum(), (x, w1, w2))]  # fmt: skip
+    got = torch.autograd.grad((tok(x) ** 2).sum(), (x, w1, w2))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
 
 
 def test_shifted_patches_hand_case() -> None:

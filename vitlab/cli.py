@@ -109,7 +109,6 @@ class VitlabCLI(LightningCLI):
                 f"error: the data is configured without labels (labels: false) but {model_cls.__name__} "
                 f"trains on labels; {NO_LABELS_FIX}"
             )
-        _check_optimizer_args(cfg.get("model.init_args"))
         add_run_defaults(cfg.trainer, model_cls, cfg.get("checkpoint_every_n_steps"))
         self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"))
         if cfg.get("ckpt_path") == LAST:  # the record must rerun in a fresh folder too
@@ -187,22 +186,6 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | None) -> str | None:
         f"--ckpt_path last: there is no last.ckpt in {last.parent} to resume from; check --run_dir, "
         f"or use --ckpt_path {LAST_IF_PRESENT} to start fresh when there is none"
     )
-
-
-def _check_optimizer_args(init_args: Any) -> None:
-    """The optimizer settings torch would reject only when the optimizer is built, with a traceback."""
-    if not init_args:
-        return
-    lr = init_args.get("lr")
-    if isinstance(lr, (int, float)) and not lr > 0:
-        raise UserError(f"--model.lr={lr}: the learning rate must be a positive number, e.g. --model.lr=1e-3")
-    for key, example in (("weight_decay", "0.05 (0 turns it off)"), ("momentum", "0.9")):
-        value = init_args.get(key)
-        if isinstance(value, (int, float)) and value < 0:
-            raise UserError(f"--model.{key}={value}: {key} must be 0 or more, e.g. --model.{key}={example}")
-    betas = init_args.get("betas")
-    if isinstance(betas, (list, tuple)) and not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        raise UserError(f"--model.betas={list(betas)}: each beta must be in [0, 1), e.g. --model.betas=[0.9,0.999]")
 
 
 def _check_accelerator(accelerator: Any) -> None:

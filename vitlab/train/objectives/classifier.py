@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -117,7 +117,32 @@ def log_training_step(
         module.log("lr", torch.tensor(lr, dtype=torch.float64), on_step=True, on_epoch=False, batch_size=n)
 
 
-class ViTClassifier(ViTOptimization, L.LightningModule):
+def log_eval_step(module: L.LightningModule, stage: str, n: int, **metrics: Metric | None) -> None:
+    """The evaluation logs every vitlab module writes: `{stage}/{name}` of each metric object, which
+    torchmetrics reduces across ranks at the epoch's end (None: not measured); loss and acc1 on the
+    progress bar during validation."""
+    for name, metric in metrics.items():
+        if metric is not None:
+            bar = stage == "val" and name in ("loss", "acc1")
+            module.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=bar, batch_size=n)
+
+
+def prepare_model(model: VisionTransformer, grad_checkpointing: bool, data_config: Mapping[str, Any] | None) -> None:
+    """What every vitlab module does to the model it built: activation checkpointing, and the data's
+    preprocessing (linked by the CLI) recorded in `model.data_config`, with the one input size the model takes."""
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    if data_config:
+        model.data_config.update(_plain(data_config))
+    model.data_config["img_size"] = list(model.config["img_size"])
+
+
+def vitlab_record(model: VisionTransformer) -> dict[str, Any]:
+    """What a vitlab checkpoint records under `"vitlab"` for `load_pretrained` to rebuild the model."""
+    return _plain({"model_config": model.config, "data_config": model.data_config})
+
+
+class ViTClassifier(ViTOptimization):
     """Image classification with a vitlab ViT: cross-entropy (label smoothing, soft targets),
     AdamW/SGD with weight-decay groups and optional layer-wise LR decay, warm-up + cosine/linear
     per-step schedule, micro-averaged top-1 and (above 5 classes) top-5 accuracy.
@@ -125,7 +150,8 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
     Every argument is plain data, so the hyperparameters in a checkpoint load with
     `torch.load(weights_only=True)`. `num_classes`, `img_size` and `data_config` are meant to be
     linked from the data by the CLI. `init_from` initialises the weights from a pretrained source
-    (resampled position embeddings, new zero-initialised head); it is not a resume.
+    (resampled position embeddings, new zero-initialised head); it is not a resume. The optimizer
+    settings (`lr`, `layer_decay`, ...) are `ViTOptimization`'s keyword arguments.
     """
 
     # Read by `vitlab.train.run.callbacks.EMA`: no `configure_model` call is needed to see all layers.
@@ -141,31 +167,17 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         num_classes: int | None = None,
         img_size: int | None = None,
         init_from: str | None = None,
-        optimizer: Literal["adamw", "sgd"] = "adamw",
-        lr: float = 1e-3,
-        weight_decay: float = 0.05,
-        betas: tuple[float, float] = (0.9, 0.999),
-        momentum: float = 0.9,
-        warmup_steps: int | float = 0,
-        schedule: Literal["cosine", "linear", "constant"] = "cosine",
-        min_lr_ratio: float = 0.0,
-        layer_decay: float | None = None,
         label_smoothing: float = 0.0,
         grad_checkpointing: bool = False,
         compile: bool = False,
         class_names: list[str] | None = None,
         data_config: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        # Fail on a typo now, not after the data is set up.
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"unknown optimizer {optimizer!r}; choose 'adamw' or 'sgd'")
-        if schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown schedule {schedule!r}; choose 'cosine', 'linear' or 'constant'")
-        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
-            raise ValueError(f"layer_decay must lie in (0, 1] (got {layer_decay})")
+        # Fail on a bad value now, not after the data is set up.
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1) (got {label_smoothing})")
+        super().__init__(**kwargs)  # the optimizer settings (ViTOptimization)
         self.save_hyperparameters()
         self.init_summary: dict[str, str] | None = None  # what `init_from` changed, for the run's logs
 
@@ -199,14 +211,9 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         if hp.img_size is not None:
             args["img_size"] = hp.img_size
         model = self._init_from_pretrained(hp.init_from, args) if hp.init_from else create_model(hp.arch, **args)
-        if hp.grad_checkpointing:
-            model.set_grad_checkpointing(True)
-        if hp.data_config:
-            model.data_config.update(_plain(hp.data_config))
+        prepare_model(model, hp.grad_checkpointing, hp.data_config)
         if hp.class_names is not None:
             model.data_config["class_names"] = list(hp.class_names)
-        # The model accepts one input size only; keep the preprocessing record in step with it.
-        model.data_config["img_size"] = list(model.config["img_size"])
         return model
 
     def _init_from_pretrained(self, path: str, args: dict[str, Any]) -> VisionTransformer:
@@ -319,12 +326,9 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         loss, acc1, acc5 = (getattr(self, f"{stage}_{name}") for name in ("loss", "acc1", "acc5"))
         loss.update(F.cross_entropy(logits.float(), hard), n)
         acc1.update(logits, hard)
-        # Metric objects: torchmetrics reduces across ranks at epoch end.
-        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
-        self.log(f"{stage}/acc1", acc1, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=n)
         if acc5 is not None:
             acc5.update(logits, hard)
-            self.log(f"{stage}/acc5", acc5, on_step=False, on_epoch=True, batch_size=n)
+        log_eval_step(self, stage, n, loss=loss, acc1=acc1, acc5=acc5)
         return logits.detach()  # the logits, for callbacks (confusion matrix)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -345,7 +349,7 @@ class ViTClassifier(ViTOptimization, L.LightningModule):
         for key in ("state_dict", "current_model_state"):
             if key in checkpoint:
                 checkpoint[key] = {k.replace(_COMPILE_PREFIX, ""): v for k, v in checkpoint[key].items()}
-        checkpoint["vitlab"] = _plain({"model_config": self.model.config, "data_config": self.model.data_config})
+        checkpoint["vitlab"] = vitlab_record(self.model)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Map saved `model.<name>` keys back onto a model that was wrapped by `torch.compile(model)`.

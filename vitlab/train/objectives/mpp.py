@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ from torchmetrics import MeanMetric
 
 from vitlab.data.batch import denormalize, split_batch
 from vitlab.models import VisionTransformer, create_model
-from vitlab.train.objectives.classifier import _plain, log_training_step
+from vitlab.train.objectives.classifier import log_eval_step, log_training_step, prepare_model, vitlab_record
 from vitlab.train.objectives.optim import ViTOptimization, param_groups
 
 Target = Literal["color", "pixels"]
@@ -117,7 +116,7 @@ def apply_corruption(patches: torch.Tensor, c: Corruption, fill: torch.Tensor | 
 # ---- the module --------------------------------------------------------------------------------------
 
 
-class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
+class MaskedPatchPretraining(ViTOptimization):
     """Self-supervised pretraining of a vitlab ViT by masked patch prediction; see the module docstring.
 
     `arch` / `model_args` / `img_size` build the encoder exactly as `ViTClassifier` does (so the
@@ -126,7 +125,8 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
     never read. Logged: `train/loss`, `val/loss`, and as `train/acc1` / `val/acc1` the masked-patch
     accuracy, the fraction of corrupted patches whose 3-bit mean colour is predicted exactly (for
     the pixel target: the mean colour of the predicted pixels), which is also what the best
-    checkpoint is chosen by.
+    checkpoint is chosen by. The optimizer settings are `ViTOptimization`'s keyword arguments; under
+    `layer_decay` the prediction head learns at the top layer's rate and the mask token at the tokenizer's.
     """
 
     builds_model_in_init = True  # read by `vitlab.train.run.callbacks.EMA`
@@ -146,17 +146,11 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
         mask_ratio: float = 0.8,
         random_ratio: float = 0.1,
         color_bits: int = 3,
-        lr: float = 1e-3,
-        weight_decay: float = 0.05,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int | float = 0,
-        schedule: Literal["cosine", "linear", "constant"] = "cosine",
-        min_lr_ratio: float = 0.0,
         grad_checkpointing: bool = False,
         compile: bool = False,
         data_config: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
         if target not in ("color", "pixels"):
             raise ValueError(f"unknown target {target!r}; choose 'color' (3-bit mean colour) or 'pixels'")
         if pixel_loss not in ("l1", "l2"):
@@ -170,10 +164,8 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
             )
         if not 1 <= color_bits <= 8:
             raise ValueError(f"color_bits must lie in [1, 8] (got {color_bits})")
-        if schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown schedule {schedule!r}; choose 'cosine', 'linear' or 'constant'")
-        # The CLI links the data's class count and names into every model; labels play no part here.
-        self.save_hyperparameters(ignore=["num_classes", "class_names"])
+        super().__init__(**kwargs)  # the optimizer settings (ViTOptimization)
+        self.save_hyperparameters()
 
         self.model = self._build_encoder()
         dim, patch = self.model.embed_dim, self.patch_size
@@ -207,11 +199,7 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
             part = getattr(model, name, None)
             if isinstance(part, nn.Module):
                 part.requires_grad_(False)
-        if hp.grad_checkpointing:
-            model.set_grad_checkpointing(True)
-        if hp.data_config:
-            model.data_config.update(_plain(hp.data_config))
-        model.data_config["img_size"] = list(model.config["img_size"])
+        prepare_model(model, hp.grad_checkpointing, hp.data_config)
         model.data_config["class_names"] = None  # an encoder without classes
         return model
 
@@ -302,9 +290,7 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
         loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
         loss_metric.update(loss, n)
         acc_metric.update(acc, n)
-        b = x.shape[0]
-        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=b)
-        self.log(f"{stage}/acc1", acc_metric, on_step=False, on_epoch=True, prog_bar=stage == "val", batch_size=b)
+        log_eval_step(self, stage, x.shape[0], loss=loss_metric, acc1=acc_metric)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step(batch, batch_idx, "val")
@@ -316,15 +302,17 @@ class MaskedPatchPretraining(ViTOptimization, L.LightningModule):
 
     def optimizer_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
-        groups = param_groups(self.model, hp.weight_decay, lr=hp.lr)
-        for group in param_groups(self.mpp_head, hp.weight_decay, lr=hp.lr):
+        groups = param_groups(self.model, hp.weight_decay, layer_decay=hp.layer_decay, lr=hp.lr)
+        for group in param_groups(self.mpp_head, hp.weight_decay, lr=hp.lr):  # above the last block: scale 1
             group["params"] = [(f"mpp_head.{name}", p) for name, p in group["params"]]
             groups.append(group)
-        groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr, "lr_scale": 1.0})
+        # The mask token stands in for tokenizer outputs: layer 0's scale (`layer_id`).
+        scale = hp.layer_decay ** (len(self.model.blocks) + 1) if hp.layer_decay is not None else 1.0
+        groups.append({"params": [("mask_token", self.mask_token)], "weight_decay": 0.0, "lr": hp.lr * scale,
+                       "lr_scale": scale})  # fmt: skip
         return groups
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # What `load_pretrained` reads to rebuild the encoder (the same record a classifier writes).
-        checkpoint["vitlab"] = _plain({"model_config": self.model.config, "data_config": self.model.data_config})
+        checkpoint["vitlab"] = vitlab_record(self.model)  # what `load_pretrained` reads to rebuild the encoder

@@ -1,11 +1,11 @@
 """Optimizer parameter groups (weight-decay split, layer-wise LR decay), the optimizer itself, gradient
 clipping that keeps fused kernels under bf16 (with the step's shared gradient norm, `grad_step`), and
-`ViTOptimization`, the optimiser hooks vitlab's LightningModules share."""
+`ViTOptimization`, the base of vitlab's LightningModules: the one declaration of the optimizer settings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from vitlab.train.grad_step import grad_norm
-from vitlab.train.objectives.schedule import lightning_schedule
+from vitlab.train.objectives.schedule import Schedule, lightning_schedule
 
 try:  # private helper; the fallback covers a torch that moves it
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -161,22 +161,84 @@ def clip_gradients(
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
 
 
-class ViTOptimization:
-    """`configure_optimizers` and `configure_gradient_clipping` for a LightningModule (listed before
-    `L.LightningModule` in its bases) whose hparams hold `lr`, `weight_decay`, `betas`, `warmup_steps`,
-    `schedule`, `min_lr_ratio` and optionally `optimizer`, `momentum`, `layer_decay`. The parameter groups
-    are `optimizer_groups()`: by default those of `self.model`."""
+# Each setting's valid values: (test, what it must be, an example). Checked when the module is built, so a bad
+# value stops the run before the data is read (the optimizer and schedule are built after the data's setup).
+_RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "optimizer": (lambda v: v in get_args(OptimizerName), "choose adamw or sgd", "adamw"),
+    "lr": (lambda v: v > 0, "the learning rate must be a positive number", "1e-3"),
+    "weight_decay": (lambda v: v >= 0, "weight_decay must be 0 or more", "0.05 (0 turns it off)"),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "each beta must be in [0, 1)", "[0.9,0.999]"),
+    "momentum": (lambda v: v >= 0, "momentum must be 0 or more", "0.9"),
+    "warmup_steps": (
+        lambda v: not isinstance(v, bool) and (0 <= v <= 1 if isinstance(v, float) else v >= 0),
+        "warmup_steps is a step count (an int, 0 or more) or a fraction of the run (a float in [0, 1])", "0.05",
+    ),
+    "schedule": (lambda v: v in get_args(Schedule), "choose cosine, linear or constant", "cosine"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "min_lr_ratio, the final fraction of the lr, must lie in [0, 1]", "0.0"),
+    "layer_decay": (lambda v: v is None or 0 < v <= 1, "layer_decay must lie in (0, 1] (null: off)", "0.75"),
+}
+
+
+def check_optimizer_settings(settings: dict[str, Any]) -> None:
+    """A one-line ValueError naming the first setting outside its valid values (`_RULES`), with an example.
+    Settings are named by their recipe key (`--model.lr`), where users set them."""
+    for key, value in settings.items():
+        test, rule, example = _RULES[key]
+        try:
+            valid = test(value)
+        except TypeError:  # e.g. a string lr from Python code
+            valid = False
+        if not valid:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ValueError(f"--model.{key}={shown}: {rule}, e.g. --model.{key}={example}")
+
+
+class ViTOptimization(L.LightningModule):
+    """The base of vitlab's objectives: the optimizer and LR-schedule settings, declared once here.
+
+    The objectives take these through `**kwargs` and pass them to `super().__init__`; jsonargparse follows
+    that call to this signature, so a recipe sets them flat under `model:` (`model.lr`), and a checkpoint's
+    flat hyperparameters load back through the same keywords. Also `configure_optimizers` and
+    `configure_gradient_clipping`; the parameter groups are `optimizer_groups()`, by default those of `self.model`.
+
+    Args:
+        optimizer: AdamW (the paper's pretraining optimizer) or SGD with momentum (its fine-tuning one).
+        lr: the peak learning rate, reached after the warm-up.
+        weight_decay: decoupled (AdamW) or L2 (SGD) decay of the linear and convolution weights only.
+        betas: AdamW's moment coefficients.
+        momentum: SGD's momentum.
+        warmup_steps: linear warm-up, in optimizer steps (int) or as a fraction of the run (float in [0, 1]).
+        schedule: the decay after the warm-up, to `min_lr_ratio * lr` at the run's last step.
+        min_lr_ratio: the final learning rate as a fraction of `lr`.
+        layer_decay: layer-wise LR decay, `lr * layer_decay ** (depth + 1 - layer)`; None: off.
+    """
+
+    def __init__(
+        self,
+        optimizer: OptimizerName = "adamw",
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        momentum: float = 0.9,
+        warmup_steps: int | float = 0,
+        schedule: Schedule = "cosine",
+        min_lr_ratio: float = 0.0,
+        layer_decay: float | None = None,
+    ) -> None:
+        check_optimizer_settings({k: v for k, v in locals().items() if k in _RULES})
+        super().__init__()
+        # Lightning collects these and the subclasses' arguments (their frames' too) into `hparams`.
+        self.save_hyperparameters()
 
     def optimizer_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
-        return param_groups(self.model, hp.weight_decay, layer_decay=hp.get("layer_decay"), lr=hp.lr)
+        return param_groups(self.model, hp.weight_decay, layer_decay=hp.layer_decay, lr=hp.lr)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optional = {k: hp[k] for k in ("optimizer", "momentum") if k in hp}  # else build_optimizer's defaults
         optimizer = build_optimizer(
-            self.optimizer_groups(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
-            fused=fused_allowed(self._trainer), **optional,
+            self.optimizer_groups(), hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+            momentum=hp.momentum, fused=fused_allowed(self._trainer),
         )  # fmt: skip
         return lightning_schedule(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.min_lr_ratio)
 

@@ -9,15 +9,18 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vitlab.train.reliability.redaction import redact, secret_values
 
 TMP_SUFFIX = ".tmp"
+
+
+def is_local_path(path: str | Path) -> bool:
+    """A plain path or a file:// URL; not `s3://...` or another fsspec protocol (fsspec's own test)."""
+    path = str(path)
+    return "://" not in path or path.startswith("file://")
 
 
 class CheckpointLoadError(RuntimeError):
@@ -29,7 +32,7 @@ def is_temp_checkpoint(name: str) -> bool:
     return name.startswith(".") and name.endswith(TMP_SUFFIX) and ".ckpt." in name
 
 
-def remove_stale_temp_files(folder: _PATH) -> list[Path]:
+def remove_stale_temp_files(folder: str | Path) -> list[Path]:
     """Delete temporary checkpoint files a killed run left in `folder`; returns what was removed."""
     removed = [p for p in Path(folder).glob("*") if p.is_file() and is_temp_checkpoint(p.name)]
     for p in removed:
@@ -43,18 +46,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Local paths: write `.<name>.<random>.tmp` in the same folder, fsync, `os.replace` onto the final name,
     fsync the folder; `LastCheckpoint` removes stray temporary files at the next start. (Lightning's
-    `_atomic_save` stages in the system temp folder, often another filesystem, and never fsyncs.) Remote
-    paths go through Lightning's writer: object stores publish an object only once it is complete.
+    `cloud_io._atomic_save` commits through an fsspec transaction and never fsyncs.) Remote paths go
+    through Lightning's writer: object stores publish an object only once it is complete.
+
+    Loading forces `weights_only=True`, which Lightning does not: `fit(weights_only=None)` reaches
+    `torch.load` as None (a default `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1` turns off), `cloud_io._load` makes
+    it False for an http `ckpt_path`, and `fit(weights_only=False)` is taken as given.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         secrets = secret_values()
         hparams = ("hyper_parameters", "datamodule_hyper_parameters")
         checkpoint = {k: redact(v, secrets) if k in hparams else v for k, v in checkpoint.items()}
         path = str(path)
-        if not _is_local_file_protocol(path):
+        if not is_local_path(path):
             super().save_checkpoint(checkpoint, path)
             return
         path = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
@@ -82,7 +89,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, f)
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
+        self, path: str | Path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if weights_only is False:
             raise ValueError(
@@ -98,11 +105,3 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointLoadError(
                 f"cannot load checkpoint {path} with weights_only=True: {type(exc).__name__}: {exc}"
             ) from exc
-
-
-def use_atomic_io(trainer: L.Trainer) -> bool:
-    """Put `AtomicCheckpointIO` on the strategy in place of a stock `TorchCheckpointIO` (a recipe's own
-    CheckpointIO is left alone). Returns True when the IO is atomic."""
-    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-    return isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)

@@ -11,7 +11,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from vitlab.train.reliability.last_checkpoint import LastCheckpoint
 from vitlab.train.grad_step import grad_norm, set_found_inf
 
 log = logging.getLogger("vitlab")
@@ -158,10 +157,9 @@ class NonFiniteGuard(Callback):
 
     def _message(self, trainer: L.Trainer, step: int, what: str) -> str:
         epoch, batch, lr = self._steps.get(step, (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, "?"))
-        callbacks = sorted(trainer.checkpoint_callbacks, key=lambda cb: not isinstance(cb, LastCheckpoint))
-        saved = [p for cb in callbacks if isinstance(cb, ModelCheckpoint)
+        saved = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
                  for p in (cb.last_model_path, cb.best_model_path) if p and os.path.isfile(p)]  # fmt: skip
-        ckpt = max(saved, key=os.path.getmtime) if saved else None
+        ckpt = max(saved, key=os.path.getmtime) if saved else None  # the newest
         where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint has been saved yet"
         skipped = (f" after skipping {self.skipped} step(s) (max_skips={self.max_skips})"
                    if self.action == "skip" else "")  # fmt: skip

@@ -1,4 +1,5 @@
-"""`LastCheckpoint`: keeps last.ckpt current and makes a termination signal stop every rank together."""
+"""`LastCheckpoint`: keeps last.ckpt current and makes a termination signal stop every rank together;
+`BestCheckpoint`: the best val/acc1. Both write to `<default_root_dir>/checkpoints` by default."""
 
 from __future__ import annotations
 
@@ -6,18 +7,17 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from vitlab.train.reliability.checkpoint_io import remove_stale_temp_files, use_atomic_io
-from vitlab.train.reliability.lightning_internals import mark_sigterm
+from vitlab.train.reliability.checkpoint_io import AtomicCheckpointIO, is_local_path, remove_stale_temp_files
 from vitlab.train.reliability.watchdog import SignalWatchdog
 
 log = logging.getLogger("vitlab")
@@ -37,7 +37,7 @@ class BestCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint keeping the best val/acc1 as `best-epochNNN.ckpt` in the run folder's
     checkpoints/ (last.ckpt: `LastCheckpoint`)."""
 
-    def __init__(self, dirpath: _PATH | None = None, monitor: str = "val/acc1", mode: str = "max") -> None:
+    def __init__(self, dirpath: str | Path | None = None, monitor: str = "val/acc1", mode: str = "max") -> None:
         super().__init__(dirpath=dirpath, filename="best-epoch{epoch:03d}", monitor=monitor, mode=mode, save_top_k=1,
                          save_last=False, auto_insert_metric_name=False)  # fmt: skip
 
@@ -47,25 +47,23 @@ class BestCheckpoint(ModelCheckpoint):
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """The only writer of `<dirpath>/last.ckpt` (default `<default_root_dir>/checkpoints`): every
-    `every_n_train_steps` steps (Lightning's trigger), after every validation (or train epoch without
-    one), at the end of training, and on SIGTERM/SIGUSR1 (SLURM's `--signal=USR1@90`).
+    """The only writer of `<dirpath>/last.ckpt`: every `every_n_train_steps` steps (Lightning's trigger),
+    after every validation (or train epoch without one), at the end of training, and on SIGTERM/SIGUSR1
+    (SLURM's `--signal=USR1@90`). At setup it removes the temporary files a killed run left.
 
-    A signal stops the run at a training batch's end through Lightning's `SIGTERMException` (exit status
-    0) after last.ckpt was saved there, so `--ckpt_path last` continues exactly. The handler only records
-    the signal: no collective and no save inside a signal handler, where Lightning's SIGTERM notifier
-    broadcasts and its SLURM requeue saves, each rank wherever it was interrupted. Under DDP the ranks
-    agree with one all-reduce at a batch end every `signal_check_every_n_steps` steps (default
-    `log_every_n_steps`); the USR1 handler found before (Lightning's SLURM requeue) runs after the save,
-    on every rank together. A rank blocked in a collective runs no Python handler: `SignalWatchdog` ends
-    it `signal_timeout_s` after the signal (exit status 124).
-
-    At setup it installs `AtomicCheckpointIO` (unless a custom CheckpointIO is set) and removes the
-    temporary files a killed run left.
+    A signal stops the run at a training batch's end (single process: also at a validation batch's end)
+    with Lightning's `SIGTERMException` (exit status 0), and last.ckpt is saved there, so `--ckpt_path last`
+    continues exactly. Lightning 2.6 falls short (`trainer/connectors/signal_connector.py`): its SIGTERM
+    handler broadcasts, and its SLURM requeue handler saves, inside the handler, each rank wherever it was
+    interrupted; SIGUSR1 stops nothing without SLURM's auto-requeue; and nothing saves last.ckpt on a stop.
+    Here the handler only records the signal; under DDP the ranks agree with one all-reduce at a batch end
+    every `signal_check_every_n_steps` steps (default `log_every_n_steps`); Lightning's USR1 requeue handler
+    runs after the save, on every rank together. A rank blocked in a collective runs no Python handler:
+    `SignalWatchdog` ends it `signal_timeout_s` after the signal (exit status 124).
     """
 
     def __init__(
-        self, dirpath: _PATH | None = None, every_n_train_steps: int | None = None,
+        self, dirpath: str | Path | None = None, every_n_train_steps: int | None = None,
         signal_timeout_s: float | None = 180.0, signal_check_every_n_steps: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__(
@@ -84,10 +82,10 @@ class LastCheckpoint(ModelCheckpoint):
         self._requeue: Any = None  # the SIGUSR1 handler before ours: Lightning's SLURM requeue, if any
 
     # The state key must not depend on the step interval, or changing it between a run and its
-    # resume would drop this callback's state (and its last_model_path).
+    # resume would drop this callback's state (and its last_model_path). Callback._generate_state_key's form.
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(role="last")
+        return f"{type(self).__qualname__}{{'role': 'last'}}"
 
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # `ckpt_path="last"` is resolved before setup; resolve the default folder here too.
@@ -97,12 +95,12 @@ class LastCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         _default_dir(self, trainer)
         super().setup(trainer, pl_module, stage)
-        if not use_atomic_io(trainer):
+        if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             rank_zero_warn(
-                f"{type(trainer.strategy.checkpoint_io).__name__} is not vitlab's AtomicCheckpointIO: "
-                "a kill during a checkpoint write may leave a torn file"
+                f"{type(trainer.strategy.checkpoint_io).__name__} is not vitlab's AtomicCheckpointIO: a kill during "
+                "a checkpoint write may leave a torn file (add it to trainer.plugins)"
             )
-        if stage == "fit" and trainer.is_global_zero and _is_local_file_protocol(str(self.dirpath)):
+        if stage == "fit" and trainer.is_global_zero and is_local_path(self.dirpath):
             for p in remove_stale_temp_files(self.dirpath):
                 log.info("removed a partial checkpoint left by an interrupted run: %s", p)
         self._prev_sigterm = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
@@ -110,27 +108,30 @@ class LastCheckpoint(ModelCheckpoint):
     def save_last_now(self, trainer: L.Trainer) -> None:
         """Write last.ckpt unless it already holds this global step (or saving makes no sense now)."""
         if not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._save_last_checkpoint(trainer, {})  # no metrics: the name is last.ckpt
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        every = self.signal_check_every_n_steps or trainer.log_every_n_steps or 1
-        # Lightning 2.6 broadcasts rank 0's flag at each batch start, but a rank also stops on its own flag at
-        # a batch end: ranks signalled in different batches would stop at different batches.
-        if trainer.world_size > 1 and trainer.global_step % every == 0:
-            # Every rank runs this hook at the same batch: stop together if any rank was signalled.
+        # Lightning's `TrainingEpochLoop._broadcast_sigterm_tensor` shares rank 0's flag only, and a rank stops
+        # on its own flag at a batch end: ranks signalled in different batches would stop at different batches.
+        # Every rank runs this hook at the same batch: stop together if any rank was signalled.
+        if trainer.world_size > 1:
+            if trainer.global_step % (self.signal_check_every_n_steps or trainer.log_every_n_steps or 1):
+                return
             flag = torch.tensor(self._signal, device=trainer.strategy.root_device)
             self._signal = int(trainer.strategy.reduce(flag, reduce_op="max"))
-            if self._signal:
-                mark_sigterm(trainer)  # Lightning raises SIGTERMException after this batch, on every rank
-        # Here, not in `on_exception`: when validation follows this batch, Lightning raises inside it.
-        if trainer.received_sigterm:
-            self.save_last_now(trainer)
+        if self._signal:
+            raise SIGTERMException  # public, where Lightning's flag is private; `on_exception` saves last.ckpt
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self._signal and trainer.world_size == 1:  # under DDP the ranks agree at a training batch's end
+            raise SIGTERMException
 
     # Stock ModelCheckpoint refreshes last.ckpt after an epoch or a validation only when it saved a top-k
-    # file at that step, and at the end of training only when it never saved.
+    # file at that step (`_last_global_step_saved == trainer.global_step` in its on_validation_end), and at
+    # the end of training only when it never saved (`not self._last_checkpoint_saved` in its on_train_end).
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._should_save_on_train_epoch_end(trainer):
             self.save_last_now(trainer)
@@ -146,7 +147,7 @@ class LastCheckpoint(ModelCheckpoint):
         # Only a termination signal saves here: after any other error the state may be what broke. Lightning's
         # `save_on_exception` and `OnExceptionCheckpoint` save after any exception (and not into last.ckpt).
         if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
-            self.save_last_now(trainer)  # one process signalled during validation: not saved yet
+            self.save_last_now(trainer)  # every rank together: they raised at the same batch
             if trainer.is_global_zero:
                 log.warning("termination signal: %s holds global step %d; resume with --ckpt_path last",
                             self.last_model_path, trainer.global_step)  # fmt: skip
@@ -154,7 +155,7 @@ class LastCheckpoint(ModelCheckpoint):
                 self._requeue(signal.SIGUSR1, None)
         # Lightning skips the callbacks' teardown after an exception: stand the watchdog down here, once the
         # save it guards is done, or its timer would end a process that outlives the fit (a notebook, pytest).
-        self._stop_watchdog()
+        self.teardown()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -167,10 +168,9 @@ class LastCheckpoint(ModelCheckpoint):
             signal.signal(signum, lambda signum, frame: self._on_signal(trainer, signum, frame))
         if self.signal_timeout_s is not None and self._watchdog is None:
             launcher = trainer.strategy.launcher
-            end_ranks = (lambda: launcher.kill(signal.SIGKILL)) if launcher is not None else None
-            watchdog = SignalWatchdog(self.signal_timeout_s, _SIGNALS, on_expire=end_ranks)
-            if watchdog.install():
-                self._watchdog = watchdog
+            end_ranks = lambda: launcher is None or launcher.kill(signal.SIGKILL)  # noqa: E731
+            watchdog = SignalWatchdog(self.signal_timeout_s, _SIGNALS, end_ranks)
+            self._watchdog = watchdog if watchdog.install() else None
 
     def _on_signal(self, trainer: L.Trainer, signum: int, frame: Any) -> None:
         """Record the signal and pass it on to the ranks this process launched; one process stops now."""
@@ -181,12 +181,8 @@ class LastCheckpoint(ModelCheckpoint):
         self._signal = max(self._signal, 2 if signum == getattr(signal, "SIGUSR1", None) else 1)
         if signum == signal.SIGTERM and callable(self._prev_sigterm):
             self._prev_sigterm(signum, frame)
-        if trainer.world_size == 1:
-            mark_sigterm(trainer)
 
-    def _stop_watchdog(self, *args: Any, **kwargs: Any) -> None:  # also the teardown hook
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
         if self._watchdog is not None:
             self._watchdog.uninstall()
             self._watchdog = None
-
-    teardown = _stop_watchdog

@@ -23,7 +23,9 @@ log = logging.getLogger("vitlab")
 class ExactResume(Callback):
     """Stores and restores, for every rank its own, what a resumed run needs to continue exactly:
 
-    - the global torch / numpy / python (and CUDA) random streams, restored just before the first batch;
+    - the global torch / numpy / python (and CUDA) random streams, restored just before the first batch.
+      Lightning saves none (`_CheckpointConnector.dump_checkpoint`); fabric's `_collect_rng_states` serves
+      the spawn launcher only, and its numpy array does not load with `weights_only=True`;
     - each train loader's shuffling generator: restoring a StatefulDataLoader rewinds it to the epoch
       start, so every later epoch would be shuffled differently;
     - each train loader's state (position, worker streams). Lightning's own restore keeps rank 0's state

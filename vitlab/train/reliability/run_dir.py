@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 
 import lightning as L
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, WeightAveraging
+
+from vitlab.train.reliability.checkpoint_io import is_local_path
 
 
 class RunDirError(RuntimeError):
@@ -22,11 +22,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def check_run_dir(run_dir: _PATH, need_bytes: int = 0, what: str = "") -> None:
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0, what: str = "") -> None:
     """Create `run_dir` if needed, prove it writable (create + delete a probe file) and, when
     `need_bytes` > 0, that its filesystem has that much free space. Raises RunDirError otherwise."""
     run_dir = str(run_dir)
-    if not _is_local_file_protocol(run_dir):
+    if not is_local_path(run_dir):
         return  # remote stores: no cheap, meaningful probe
     path = Path(run_dir).expanduser().absolute()
     try:

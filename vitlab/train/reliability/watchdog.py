@@ -1,10 +1,12 @@
-"""A termination signal must end the process even when its main thread is blocked.
+"""`SignalWatchdog`: a termination signal ends the process even when its main thread is blocked.
 
 Python runs signal handlers between bytecodes of the main thread only, so a rank blocked in a collective
-another rank never joins ignores SIGTERM until the process-group timeout (30 minutes). `SignalWatchdog`
-hears the signal through the wake-up fd CPython's C-level handler writes to, gives the normal path (finish
-the batch, save last.ckpt, exit) `timeout_s` seconds, then logs why, ends the ranks this process launched
-and exits with `EXIT_CODE`.
+another rank never joins ignores SIGTERM until the process-group timeout (30 minutes). torchrun
+(`PContext.close(timeout=30)`) and SLURM (KillWait) SIGKILL their ranks after a grace period; Lightning's
+own launcher (`_SubprocessScriptLauncher`) and Lightning's SIGTERM handler have nothing of the kind. The
+watchdog hears the signal through the wake-up fd CPython's C-level handler writes to, gives the normal
+path (finish the batch, save last.ckpt, exit) `timeout_s` seconds, then logs why, runs `on_expire` (end
+the ranks this process launched) and exits with `EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -25,13 +26,10 @@ EXIT_CODE = 124  # as `timeout`: the job was stopped, not finished
 
 
 class SignalWatchdog:
-    """Watches for `signals` from a daemon thread; `on_expire` runs just before the exit. Install from the
-    main thread after the signals' Python handlers (the wake-up fd is written only for those)."""
+    """Watches for `signals` from a daemon thread. Install from the main thread after the signals' Python
+    handlers (the wake-up fd is written only for those)."""
 
-    def __init__(
-        self, timeout_s: float, signals: tuple[int, ...] = (signal.SIGTERM,),
-        on_expire: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, timeout_s: float, signals: tuple[int, ...], on_expire: Callable[[], None]) -> None:
         self.timeout_s = timeout_s
         self.signals = {int(s) for s in signals}
         self.on_expire = on_expire
@@ -60,30 +58,20 @@ class SignalWatchdog:
             return
         signal.set_wakeup_fd(-1)
         self._closed.set()
-        recv, send = self._sockets
-        with suppress(OSError):
-            recv.shutdown(socket.SHUT_RDWR)  # wakes the watching thread's recv
-        recv.close()
-        send.close()
-        self._sockets = None
+        send, self._sockets = self._sockets[1], None
+        with send, suppress(OSError):  # a full buffer already wakes the thread
+            send.send(b"\0")  # wakes the watching thread's recv (0 is no signal number)
 
     def _watch(self, recv: socket.socket) -> None:
-        while not self._closed.is_set():
-            try:
-                data = recv.recv(64)
-            except OSError:  # closed by uninstall
-                return
-            hit = [b for b in data if b in self.signals]
-            if hit:
-                self._expire_after(signal.Signals(hit[0]).name)
-            if hit or not data:
-                return
+        with recv:
+            while not self._closed.is_set():
+                hit = [b for b in recv.recv(64) if b in self.signals]
+                if hit and not self._closed.wait(self.timeout_s):
+                    self._expire(signal.Signals(hit[0]).name)
+                if hit:
+                    return
 
-    def _expire_after(self, name: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self._closed.wait(0.2):
-                return  # the run ended normally
+    def _expire(self, name: str) -> None:
         log.error(
             "%s received %.0f s ago and this process has not stopped: it is blocked, most likely in a collective "
             "(an all-reduce or a checkpoint barrier) that another rank never joined. Exiting with status %d without "
@@ -92,9 +80,8 @@ class SignalWatchdog:
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         sys.stderr.flush()
-        if self.on_expire is not None:
-            try:
-                self.on_expire()
-            except Exception as exc:  # noqa: BLE001 - exiting matters more than the clean-up
-                log.error("while ending the other ranks: %s: %s", type(exc).__name__, exc)
+        try:
+            self.on_expire()
+        except Exception as exc:  # noqa: BLE001 - exiting matters more than the clean-up
+            log.error("while ending the other ranks: %s: %s", type(exc).__name__, exc)
         os._exit(EXIT_CODE)
