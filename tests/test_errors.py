@@ -71,6 +71,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str]
                              r"img_size 30x30 is not a multiple of patch_size 4; use e\.g\. 28x28 or 32x32"),
         "unwritable run folder": (["fit", "--config", str(ok), "--run_dir", str(tmp / "a_file" / "run")],
                                   rf"run folder {tmp}/a_file/run is not writable"),
+        "optimizer not among the choices": (["fit", "--config", str(ok), *run, "--model.optimizer=adam"],
+                                            r"--model\.optimizer=adam: not a valid choice; did you mean adamw\? "
+                                            r"choose one of adamw, sgd"),
         "negative learning rate": (["fit", "--config", str(ok), *run, "--model.lr=-1"],
                                    r"--model\.lr=-1\.0: the learning rate must be a positive number, "
                                    r"e\.g\. --model\.lr=1e-3"),

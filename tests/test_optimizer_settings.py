@@ -161,6 +161,26 @@ def test_a_mistyped_setting_gets_the_closest_key(model: str, key: str, close: st
         check_config_args(["fit", f"--model={model}", f"--model.{key}=0.5"])
 
 
+@pytest.mark.parametrize(
+    ("model", "key", "value", "close", "choices"),
+    [("vitlab.train.ViTClassifier", "optimizer", "adam", "adamw", "adamw, sgd"),
+     ("vitlab.train.MaskedPatchPretraining", "schedule", "cosin", "cosine", "cosine, linear, constant"),
+     ("vitlab.train.MaskedPatchPretraining", "target", "colour", "color", "color, pixels")],
+)  # fmt: skip
+def test_a_value_outside_the_choices_gets_one_line(model: str, key: str, value: str, close: str, choices: str,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """On the command line and in a recipe: the key, the closest choice and all of them, not jsonargparse's
+    multi-line union error."""
+    line = rf"--model\.{key}={value}: not a valid choice; did you mean {close}\? choose one of {choices}$"
+    with pytest.raises(SystemExit, match=line):
+        check_config_args(["fit", f"--model={model}", f"--model.{key}={value}"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"class_path": model, "init_args": {key: value}}}))
+    with pytest.raises(SystemExit, match=rf"model\.init_args\.{key}={value}: not a valid choice; did you mean {close}\?"):
+        check_config_args(["fit", "--config", str(recipe)])
+    check_config_args(["fit", f"--model={model}", f"--model.{key}={close}"])  # a valid choice passes
+
+
 BAD = [
     ("lr", -1.0, r"--model\.lr=-1\.0: the learning rate must be a positive number, e\.g\. --model\.lr=1e-3"),
     ("lr", 0.0, r"--model\.lr=0\.0: the learning rate must be a positive number"),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from lightning.pytorch import Trainer
@@ -104,6 +105,35 @@ def init_params(cls: type) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The constructor arguments of `cls` (and, through `**kwargs`, of its bases) typed as a `Literal`,
+    with their choices."""
+    choices: dict[str, tuple[Any, ...]] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            hints = typing.get_type_hints(init)
+        except (NameError, TypeError):  # an annotation only a type checker resolves: no choices read
+            hints = {}
+        for name, hint in hints.items():
+            if typing.get_origin(hint) is Literal:
+                choices.setdefault(name, typing.get_args(hint))
+        if not any(p.kind == p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
+            break
+    return choices
+
+
+def _reject_choice(where: str, key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """jsonargparse rejects a value outside a `Literal` too, but for `model:` (a class_path union) in ten lines."""
+    if value not in choices and str(value) not in map(str, choices):
+        names = [str(c) for c in choices]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise SystemExit(f"error: {where}.{key}={value}: not a valid choice; {hint}choose one of {', '.join(names)}")
+
+
 def _reject_unknown(where: str, keys: Any, valid: list[str], flag: str | None = None) -> None:
     """jsonargparse rejects unknown keys too, but names no close match, and for `model:` (a class_path
     union) prints ten lines of "Does not validate against any of the Union subtypes"; hence this check.
@@ -141,6 +171,9 @@ def check_recipe(path: str, top_keys: list[str] | None = None) -> None:
         model_cls, where = import_class(DEFAULT_MODEL, "model"), f"{path}: model"
     params = init_params(model_cls)
     _reject_unknown(where, model, params)
+    for key, choices in literal_choices(model_cls).items():
+        if key in model:
+            _reject_choice(where, key, model[key], choices)
     if "model_args" in params:  # the encoder's constructor arguments, as ViTClassifier takes them
         _reject_unknown(f"{where}.model_args", model.get("model_args"), init_params(VisionTransformer))
     data = cfg.get("data") or {}
@@ -194,7 +227,12 @@ def check_config_args(argv: list[str], top_keys: list[str] | None = None) -> Non
                   for arg in argv if arg.startswith("--model.")]  # fmt: skip
     if not model_keys or model_class.lstrip().startswith(("{", "[")):  # an inline YAML model: jsonargparse checks it
         return
-    params = init_params(import_class(model_class, "--model"))
+    model_cls = import_class(model_class, "--model")
+    params, choices = init_params(model_cls), literal_choices(model_cls)
+    for arg in argv:  # `--model.KEY=VALUE` for a key with fixed choices
+        key, eq, value = arg.removeprefix("--model.").removeprefix("init_args.").partition("=")
+        if arg.startswith("--model.") and eq and key in choices:
+            _reject_choice("--model", key, value, choices[key])
     for key in model_keys:
         if key[0] in ("class_path", "init_args", "help"):
             continue

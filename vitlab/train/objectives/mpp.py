@@ -149,6 +149,8 @@ class MaskedPatchPretraining(ViTOptimization):
         grad_checkpointing: bool = False,
         compile: bool = False,
         data_config: dict[str, Any] | None = None,
+        num_classes: int | None = None,
+        class_names: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         if target not in ("color", "pixels"):
@@ -165,7 +167,8 @@ class MaskedPatchPretraining(ViTOptimization):
         if not 1 <= color_bits <= 8:
             raise ValueError(f"color_bits must lie in [1, 8] (got {color_bits})")
         super().__init__(**kwargs)  # the optimizer settings (ViTOptimization)
-        self.save_hyperparameters()
+        # The CLI links the data's class count and names into every model; labels play no part here.
+        self.save_hyperparameters(ignore=["num_classes", "class_names"])
 
         self.model = self._build_encoder()
         dim, patch = self.model.embed_dim, self.patch_size
