@@ -91,17 +91,23 @@ def expand_data_path(argv: list[str]) -> list[str]:
     return out
 
 
-def init_params(cls: type) -> list[str]:
-    """Constructor argument names of a class and, through `**kwargs`, of its bases."""
-    names: list[str] = []
+def _inits(cls: type) -> list[Any]:
+    """The constructors of `cls` and of the bases it passes `**kwargs` on to, nearest first."""
+    inits = []
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        params = inspect.signature(init).parameters.values()
-        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
+        inits.append(init)
+        if not any(p.kind == p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
             break
+    return inits
+
+
+def init_params(cls: type) -> list[str]:
+    """Constructor argument names of a class and, through `**kwargs`, of its bases."""
+    names = [p.name for init in _inits(cls) for p in inspect.signature(init).parameters.values()
+             if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
     return list(dict.fromkeys(names))
 
 
@@ -109,10 +115,7 @@ def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
     """The constructor arguments of `cls` (and, through `**kwargs`, of its bases) typed as a `Literal`,
     with their choices."""
     choices: dict[str, tuple[Any, ...]] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
+    for init in _inits(cls):
         try:
             hints = typing.get_type_hints(init)
         except (NameError, TypeError):  # an annotation only a type checker resolves: no choices read
@@ -120,8 +123,6 @@ def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
         for name, hint in hints.items():
             if typing.get_origin(hint) is Literal:
                 choices.setdefault(name, typing.get_args(hint))
-        if not any(p.kind == p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
-            break
     return choices
 
 
@@ -223,15 +224,16 @@ def check_config_args(argv: list[str], top_keys: list[str] | None = None) -> Non
                 model_class = model["class_path"]
         elif arg.startswith(("--model=", "--model.class_path=")):
             model_class = arg.split("=", 1)[1]
-    model_keys = [arg.removeprefix("--model.").removeprefix("init_args.").split("=")[0].split(".")
+    # `--model.KEY=VALUE` as (KEY, "=" or "", VALUE)
+    model_args = [arg.removeprefix("--model.").removeprefix("init_args.").partition("=")
                   for arg in argv if arg.startswith("--model.")]  # fmt: skip
+    model_keys = [key.split(".") for key, _, _ in model_args]
     if not model_keys or model_class.lstrip().startswith(("{", "[")):  # an inline YAML model: jsonargparse checks it
         return
     model_cls = import_class(model_class, "--model")
     params, choices = init_params(model_cls), literal_choices(model_cls)
-    for arg in argv:  # `--model.KEY=VALUE` for a key with fixed choices
-        key, eq, value = arg.removeprefix("--model.").removeprefix("init_args.").partition("=")
-        if arg.startswith("--model.") and eq and key in choices:
+    for key, eq, value in model_args:
+        if eq and key in choices:
             _reject_choice("--model", key, value, choices[key])
     for key in model_keys:
         if key[0] in ("class_path", "init_args", "help"):
